@@ -1,0 +1,35 @@
+"""The GPipe engine: partitioning, micro-batching, transport, schedule and stages; depends on torch only."""
+
+from lightning_gpipe.pipe.batchnorm import (
+    DeferredBatchNorm,
+    convert_deferred_batch_norm,
+    revert_deferred_batch_norm,
+)
+from lightning_gpipe.pipe.checkpoint import is_recomputing
+from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
+from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch_weights, split
+from lightning_gpipe.pipe.partition import Balance, resolve_balance, solve
+from lightning_gpipe.pipe.schedule import Checkpoint
+from lightning_gpipe.pipe.stage import PipelineStage
+from lightning_gpipe.pipe.trace import Timeline, gather_events, write_chrome_trace
+
+__all__ = [
+    "Balance",
+    "Checkpoint",
+    "DeferredBatchNorm",
+    "PipelineError",
+    "PipelineStage",
+    "PipelineTimeout",
+    "Timeline",
+    "convert_deferred_batch_norm",
+    "gather_events",
+    "is_recomputing",
+    "join",
+    "micro_batch_sizes",
+    "micro_batch_weights",
+    "resolve_balance",
+    "revert_deferred_batch_norm",
+    "solve",
+    "split",
+    "write_chrome_trace",
+]

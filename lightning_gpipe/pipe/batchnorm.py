@@ -1,0 +1,188 @@
+"""Deferred BatchNorm: per-micro-batch normalization with running statistics updated once per mini-batch."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_gpipe.pipe.checkpoint import is_recomputing
+
+__all__ = [
+    "DeferredBatchNorm",
+    "commit_deferred_batch_norm",
+    "convert_deferred_batch_norm",
+    "deferred_statistics",
+    "is_deferring",
+    "revert_deferred_batch_norm",
+]
+
+_local = threading.local()
+
+_BATCH_NORMS: dict[int, type[_BatchNorm]] = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+
+
+def is_deferring() -> bool:
+    """True inside :func:`deferred_statistics` on this thread."""
+    return getattr(_local, "deferring", False)
+
+
+@contextlib.contextmanager
+def deferred_statistics() -> Iterator[None]:
+    """Mark a pipeline forward phase: DeferredBatchNorm accumulates statistics instead of updating running ones.
+
+    The flag is thread-local, so every thread that runs a stage must enter it itself.
+    """
+    previous = is_deferring()
+    _local.deferring = True
+    try:
+        yield
+    finally:
+        _local.deferring = previous
+
+
+def _dims_of(ndim: int | None) -> int:
+    # (N, C) and (N, C, L) are BatchNorm1d; anything unknown falls back to the most common, BatchNorm2d.
+    return {2: 1, 3: 1, 4: 2, 5: 3}.get(ndim, 2) if ndim is not None else 2
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """BatchNorm that normalizes each micro-batch with its own statistics (as GPipe does) but updates the running
+    statistics once per mini-batch, exactly as nn.BatchNorm would on the whole mini-batch."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        # Plain attributes, not buffers: the state dict must stay that of nn.BatchNorm.
+        self._dims: int | None = None
+        self._seen_ndim: int | None = None
+        self._reset_accumulators()
+
+    def _reset_accumulators(self) -> None:
+        self._count = 0
+        self._mean: torch.Tensor | None = None
+        self._m2: torch.Tensor | None = None
+
+    def reset_running_stats(self) -> None:
+        super().reset_running_stats()
+        self._reset_accumulators()
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if self._dims is None:
+            self._seen_ndim = input.dim()
+        deferring = self.training and is_deferring() and self.running_mean is not None and self.running_var is not None
+        if not deferring:
+            return super().forward(input)
+        # Normalize first: it rejects a micro-batch with a single value per channel before anything is accumulated.
+        output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if not is_recomputing():
+            self._accumulate(input.detach())
+        return output
+
+    @torch.no_grad()
+    def _accumulate(self, x: torch.Tensor) -> None:
+        n = x.numel() // x.shape[1]
+        if n == 0:
+            return
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(x.to(torch.float64), dim=dims, correction=0)
+        m2 = var * n
+        if self._mean is None or self._m2 is None:
+            self._count, self._mean, self._m2 = n, mean, m2
+            return
+        # Chan et al.'s pairwise update; E[x²]−E[x]² would cancel catastrophically when |mean| ≫ std.
+        total = self._count + n
+        delta = mean - self._mean
+        self._mean = self._mean + delta * (n / total)
+        self._m2 = self._m2 + m2 + delta.square() * (self._count * n / total)
+        self._count = total
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the accumulated micro-batches into the running statistics as one nn.BatchNorm step, then reset."""
+        if self._count == 0 or self._mean is None or self._m2 is None:
+            return
+        assert self.running_mean is not None and self.running_var is not None
+        # Mirrors nn.BatchNorm.forward, including its factor when num_batches_tracked is missing.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        # nn.BatchNorm tracks the unbiased variance; a lone value per channel never gets here (F.batch_norm rejects it).
+        unbiased = self._m2 / max(self._count - 1, 1)
+        for buffer, value in ((self.running_mean, self._mean), (self.running_var, unbiased)):
+            updated = buffer.to(torch.float64) * (1.0 - factor) + value.to(buffer.device) * factor
+            buffer.copy_(updated.to(buffer.dtype))
+        self._reset_accumulators()
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: nn.Module) -> nn.Module:
+        """Replace every nn.BatchNorm1d/2d/3d inside ``module`` (or ``module`` itself) by a DeferredBatchNorm."""
+        if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+            converted = _rebuild(module, cls)
+            converted._dims = next(d for d, kind in _BATCH_NORMS.items() if isinstance(module, kind))
+            return converted
+        for name, child in list(module.named_children()):
+            module.add_module(name, cls.convert_deferred_batch_norm(child))
+        return module
+
+
+def _rebuild(source: _BatchNorm, kind: type[_BatchNorm]) -> _BatchNorm:
+    # Built on meta, then handed the source's own parameters and buffers: optimizers and weight ties keep working.
+    target = kind(
+        source.num_features,
+        eps=source.eps,
+        momentum=source.momentum,
+        affine=source.affine,
+        track_running_stats=source.track_running_stats,
+        device="meta",
+    )
+    target.weight = source.weight
+    target.bias = source.bias
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(target, name, getattr(source, name))
+    target.train(source.training)
+    return target
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """Replace every nn.BatchNorm1d/2d/3d inside ``module`` (or ``module`` itself) by a DeferredBatchNorm."""
+    return DeferredBatchNorm.convert_deferred_batch_norm(module)
+
+
+def revert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """Replace every DeferredBatchNorm inside ``module`` (or ``module`` itself) by the nn.BatchNorm it stands for.
+
+    Statistics accumulated but not committed are dropped.
+    """
+    if isinstance(module, DeferredBatchNorm):
+        dims = module._dims if module._dims is not None else _dims_of(module._seen_ndim)
+        return _rebuild(module, _BATCH_NORMS[dims])
+    for name, child in list(module.named_children()):
+        module.add_module(name, revert_deferred_batch_norm(child))
+    return module
+
+
+def commit_deferred_batch_norm(module: nn.Module) -> None:
+    """Commit the accumulated statistics of every DeferredBatchNorm inside ``module``."""
+    for submodule in module.modules():
+        if isinstance(submodule, DeferredBatchNorm):
+            submodule.commit()

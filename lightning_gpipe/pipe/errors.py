@@ -1,0 +1,44 @@
+"""Errors a pipeline raises on every rank when one stage fails, naming the stage and the original error."""
+
+from __future__ import annotations
+
+import traceback
+
+
+class PipelineError(RuntimeError):
+    """A stage of the pipeline failed; raised on the failing rank and, by propagation, on every other one."""
+
+    def __init__(self, message: str, *, stage: int, phase: str, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.phase = phase
+        self.remote_traceback = remote_traceback
+        self.via: int | None = None  # the neighbour stage that passed this error on, if it was received
+        self.settled = False  # True once every stage of the pipeline knows about it
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, *, stage: int, phase: str, micro_batch: int | None) -> PipelineError:
+        where = f"stage {stage} failed in the {phase} phase"
+        if micro_batch is not None:
+            where += f" (micro-batch {micro_batch})"
+        return cls(
+            f"{where}: {type(exc).__name__}: {exc}",
+            stage=stage,
+            phase=phase,
+            remote_traceback="".join(traceback.format_exception(exc)),
+        )
+
+    def to_wire(self) -> dict:
+        return {"message": str(self), "stage": self.stage, "phase": self.phase, "traceback": self.remote_traceback}
+
+    @classmethod
+    def from_wire(cls, wire: dict, *, received_by: int) -> PipelineError:
+        message = wire["message"]
+        if wire["stage"] != received_by:
+            message += f"\n(reported to stage {received_by}; the original traceback of stage {wire['stage']}:)\n"
+            message += wire["traceback"]
+        return cls(message, stage=wire["stage"], phase=wire["phase"], remote_traceback=wire["traceback"])
+
+
+class PipelineTimeout(PipelineError):
+    """A stage waited longer than the timeout for a peer: the peer died, hung, or skipped a collective call."""

@@ -1,0 +1,208 @@
+"""Partitioning: split the L layers of an nn.Sequential into K contiguous stages, by layer counts or per-layer cost."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Union
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+Balance = Union[Sequence[int], Literal["parameters", "time"], Callable[[int, nn.Module], float]]  # noqa: UP007
+
+_ACCEPTED = "a sequence of K layer counts, 'parameters', 'time', or a callable (index, layer) -> cost"
+
+
+def solve(costs: Sequence[float], K: int) -> list[int]:
+    """Exact contiguous split of L=len(costs) layers into K non-empty stages minimising the costliest stage.
+
+    Returns the layer counts per stage. Among optimal splits the last stage is as short as possible, then the one
+    before it, and so on (earlier stages take the surplus): the last stage also runs the loss outside the backbone.
+    """
+    if isinstance(K, bool) or not isinstance(K, int):
+        raise TypeError(f"K must be an int number of stages, got {K!r} ({type(K).__name__})")
+    L = len(costs)
+    if K < 1:
+        raise ValueError(f"cannot split {L} layers into {K} stages: K must be ≥ 1")
+    if K > L:
+        raise ValueError(f"cannot split {L} layers into {K} stages: K must be ≤ L")
+    c = [float(x) for x in costs]
+    for i, x in enumerate(c):
+        if not math.isfinite(x) or x < 0:
+            raise ValueError(f"cost of layer {i} is {x}; costs must be finite and ≥ 0")
+
+    prefix = [0.0]
+    for x in c:
+        prefix.append(prefix[-1] + x)
+
+    # best[k][j]: the smallest possible costliest stage when the first j layers form k stages.
+    inf = math.inf
+    best = [[inf] * (L + 1) for _ in range(K + 1)]
+    best[0][0] = 0.0
+    for k in range(1, K + 1):
+        # Stages after k need at least one layer each, so j never exceeds L - (K - k).
+        for j in range(k, L - (K - k) + 1):
+            prev, pj = best[k - 1], prefix[j]
+            best[k][j] = min(max(prev[i], pj - prefix[i]) for i in range(k - 1, j))
+
+    # Reconstruct against the global optimum rather than each prefix's own optimum, so the tie-break above holds
+    # over all optimal splits; the comparisons reuse the same float sums, so they are exact.
+    bound = best[K][L]
+    counts: list[int] = []
+    j = L
+    for k in range(K, 0, -1):
+        i = next(i for i in range(j - 1, k - 2, -1) if best[k - 1][i] <= bound and prefix[j] - prefix[i] <= bound)
+        counts.append(j - i)
+        j = i
+    counts.reverse()
+    return counts
+
+
+def validate_balance(balance: Sequence[int], L: int, K: int) -> list[int]:
+    """Checks an explicit balance (K positive int layer counts adding up to L) and returns it as a list."""
+    entries = list(balance)
+    if len(entries) != K:
+        raise ValueError(
+            f"balance {entries} has {len(entries)} entries but there are {K} stages; give one layer count per stage"
+        )
+    for k, n in enumerate(entries):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"balance[{k}] is {n!r} ({type(n).__name__}); layer counts must be positive ints")
+        if n <= 0:
+            raise ValueError(f"balance[{k}] is {n}; every stage needs at least one layer, so give a count ≥ 1")
+    total = sum(int(n) for n in entries)
+    if total != L:
+        raise ValueError(
+            f"balance {entries} sums to {total} but the backbone has {L} layers; give layer counts that add up to {L}"
+        )
+    return [int(n) for n in entries]
+
+
+def costs_by_parameters(module: nn.Sequential) -> list[float]:
+    """c_i = parameter elements of layer i; a parameter shared between layers is counted once, at its first use."""
+    seen: set[int] = set()
+    costs: list[float] = []
+    for i, layer in enumerate(module):
+        total = 0
+        for p in layer.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if nn.parameter.is_lazy(p):
+                raise ValueError(
+                    f"layer {i} ({type(layer).__name__}) has uninitialized lazy parameters; run a forward pass first "
+                    "or use balance='time'"
+                )
+            total += p.numel()
+        costs.append(float(total))
+    return costs
+
+
+def costs_by_function(module: nn.Sequential, fn: Callable[[int, nn.Module], float]) -> list[float]:
+    """c_i = fn(i, layer_i), the paper's user-given cost estimate."""
+    return [float(fn(i, layer)) for i, layer in enumerate(module)]
+
+
+def _as_input(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.detach()
+    if x.is_floating_point():
+        x.requires_grad_(True)
+    # A copy, so that in-place layers (ReLU(inplace=True)) neither fail on a leaf nor overwrite the next run's input.
+    return x.clone()
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def costs_by_time(module: nn.Sequential, sample: Any, *, repeat: int = 3, warmup: int = 1) -> list[float]:
+    """c_i = median seconds of layer i's forward + backward on `sample`, fed through the preceding layers.
+
+    Leaves the module as it found it: buffers (BatchNorm statistics), .grad and the RNG streams are restored.
+    """
+    if repeat < 1 or warmup < 0:
+        raise ValueError(f"repeat must be ≥ 1 and warmup ≥ 0, got repeat={repeat}, warmup={warmup}")
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
+    cuda = sorted({t.get_device() for t in tensors if t.device.type == "cuda"})
+
+    def sync() -> None:
+        for d in cuda:
+            torch.cuda.synchronize(d)
+
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    params = list(module.parameters())
+    grads = [p.grad for p in params]
+    costs: list[float] = []
+    try:
+        # Profiling must not shift the caller's random streams (dropout), or a 'time' run would train differently.
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            for p in params:
+                p.grad = None
+            x = sample
+            for layer in module:
+                times = []
+                for run in range(warmup + repeat):
+                    inputs = tree_map(_as_input, x)
+                    sync()
+                    start = time.perf_counter()
+                    out = layer(inputs)
+                    flat = tree_flatten(out)[0]
+                    grad_outs = [
+                        t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+                    ]
+                    if grad_outs:
+                        # One scalar per output rather than a single sum: outputs may differ in device and dtype.
+                        torch.autograd.backward([t.sum() for t in grad_outs])
+                    sync()
+                    if run >= warmup:
+                        times.append(time.perf_counter() - start)
+                costs.append(statistics.median(times))
+                x = tree_map(_detach, out)
+                # The gradients are a by-product; dropping them keeps peak memory at one layer's worth.
+                for p in layer.parameters():
+                    p.grad = None
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+    return costs
+
+
+def resolve_balance(module: nn.Sequential, K: int, balance: Balance, *, sample: Any = None) -> list[int]:
+    """Turns any Balance into K layer counts. Local only: the caller broadcasts the result so every rank agrees."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"the backbone to partition must be an nn.Sequential, got {type(module).__name__}")
+    L = len(module)
+    if isinstance(balance, str):
+        if balance == "parameters":
+            return solve(costs_by_parameters(module), K)
+        if balance == "time":
+            if sample is None:
+                raise ValueError("balance='time' profiles each layer on a sample micro-batch; pass sample=...")
+            return solve(costs_by_time(module, sample), K)
+        raise ValueError(f"unknown balance {balance!r}; accepted values: {_ACCEPTED}")
+    if callable(balance):
+        return solve(costs_by_function(module, balance), K)
+    if isinstance(balance, Sequence):
+        return validate_balance(balance, L, K)
+    raise TypeError(f"balance must be {_ACCEPTED}; got {type(balance).__name__}")
+
+
+def stage_layers(module: nn.Sequential, balance: Sequence[int], k: int) -> list[tuple[str, nn.Module]]:
+    """The (child name, layer) pairs stage k owns, in order; original names keep state-dict keys global."""
+    counts = validate_balance(balance, len(module), len(balance))
+    if not 0 <= k < len(counts):
+        raise IndexError(f"stage {k} does not exist: there are {len(counts)} stages, numbered 0 to {len(counts) - 1}")
+    start = sum(counts[:k])
+    return list(module._modules.items())[start : start + counts[k]]  # type: ignore[return-value]

@@ -1,0 +1,412 @@
+"""One rank's cell of a GPipe pipeline: its layers under their original names, and the phases that run them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_gpipe.pipe.batchnorm import (
+    commit_deferred_batch_norm,
+    convert_deferred_batch_norm,
+    deferred_statistics,
+)
+from lightning_gpipe.pipe.checkpoint import ForwardState, recomputing
+from lightning_gpipe.pipe.errors import PipelineError
+from lightning_gpipe.pipe.microbatch import batch_size, join, split, split_by_sizes
+from lightning_gpipe.pipe.partition import Balance, resolve_balance, stage_layers
+from lightning_gpipe.pipe.schedule import Checkpoint, backward_order, is_checkpointed, validate_checkpoint
+from lightning_gpipe.pipe.status import StatusCheck
+from lightning_gpipe.pipe.trace import Timeline
+from lightning_gpipe.pipe.transport import OUTPUT_TAG, TensorMeta, Transport
+
+
+@dataclass
+class _MicroBatch:
+    input: Any  # the stage boundary: a structure of leaves, the only thing a checkpointed micro-batch keeps
+    output: Any  # the graph-carrying output; None for a checkpointed micro-batch once it was sent
+    state: ForwardState | None  # RNG and autocast state to replay; None when not checkpointed
+    marks: list[bool]  # which output tensors the next stage differentiates (and sends a gradient for)
+    metas: list[TensorMeta] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    micro: list[_MicroBatch]
+    input_leaves: list[Any] = field(default_factory=list)  # stage 0: the caller's input tensors needing a gradient
+    output: Any = None  # last stage: the joined output, whose leaves collect the caller's gradient
+    sizes: list[int] = field(default_factory=list)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _detached(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+class PipelineStage(nn.Module):
+    """Stage k of K: owns a contiguous slice of an ``nn.Sequential`` and runs it as GPipe does.
+
+    Every rank of the pipeline group builds it from the same ``nn.Sequential`` and keeps only its own layers, named as
+    in the original module so that state-dict keys stay global. Calling it with grad enabled runs the forward phase
+    of a training step (stage 0 splits the input into M micro-batches; the last stage returns the joined output as a
+    leaf that collects the caller's gradient); :meth:`backward` then drains the micro-batches in reverse. Calling it
+    without grad runs a forward-only pipeline. Every stage must make the same calls: they are collective.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        *,
+        chunks: int = 8,
+        balance: Balance = "parameters",
+        checkpoint: Checkpoint = "except_last",
+        group: dist.ProcessGroup | None = None,
+        header_group: dist.ProcessGroup | None = None,
+        deferred_batch_norm: bool = True,
+        sample: Any = None,
+        output: Literal["last", "all"] = "last",
+        device: torch.device | str | None = None,
+        timeout: float = 1800.0,
+        timeline: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"a pipeline is built from an nn.Sequential, got {type(module).__name__}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks (M, the number of micro-batches) must be an int ≥ 1, got {chunks!r}")
+        if output not in ("last", "all"):
+            raise ValueError(f"output={output!r} is not one of ['last', 'all']")
+        distributed = dist.is_available() and dist.is_initialized()
+        group = group if group is not None or not distributed else dist.group.WORLD
+        self._k = dist.get_rank(group) if distributed else 0
+        self._K = dist.get_world_size(group) if distributed else 1
+        header_group = header_group if header_group is not None else group
+        self._chunks = chunks
+        self._checkpoint = validate_checkpoint(checkpoint)
+        self._output_mode = output
+        if device is None:
+            backend = dist.get_backend(group) if distributed else "gloo"
+            device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        self._device = torch.device(device)
+        self._balance = self._agree_on_balance(module, balance, sample, header_group)
+        for name, layer in stage_layers(module, self._balance, self._k):
+            self.add_module(name, convert_deferred_batch_norm(layer) if deferred_batch_norm else layer)
+        self._transport = (
+            Transport(group, device=self._device, timeout=timedelta(seconds=timeout), header_group=header_group)
+            if distributed
+            else None
+        )
+        self._status = StatusCheck(header_group, self._k, timedelta(seconds=timeout)) if distributed else None
+        self.timeline = Timeline(self._k, enabled=timeline)
+        self._step: _Step | None = None
+        self._broken: PipelineError | None = None
+
+    # ----------------------------------------------------------------------------------------------- properties
+    @property
+    def stage(self) -> int:
+        return self._k
+
+    @property
+    def num_stages(self) -> int:
+        return self._K
+
+    @property
+    def is_first(self) -> bool:
+        return self._k == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self._k == self._K - 1
+
+    @property
+    def balance(self) -> list[int]:
+        return list(self._balance)
+
+    @property
+    def chunks(self) -> int:
+        return self._chunks
+
+    def _agree_on_balance(self, module: nn.Sequential, balance: Balance, sample: Any, group: Any) -> list[int]:
+        # Resolved once, on stage 0, so that profiled timings (which differ per process) cannot split differently.
+        result: list[Any] = [None, None]
+        if self._k == 0:
+            try:
+                result[0] = resolve_balance(module, self._K, balance, sample=sample)
+            except (ValueError, TypeError) as e:
+                result[1] = e
+        if self._K > 1:
+            dist.broadcast_object_list(result, group=group, group_src=0)
+        if result[1] is not None:
+            raise result[1]
+        return result[0]
+
+    # -------------------------------------------------------------------------------------------- running layers
+    def _run(self, x: Any) -> Any:
+        # The boundary input is kept for the recompute and may be a leaf that requires grad: an in-place first layer
+        # (ReLU(inplace=True)) must neither corrupt it nor trip autograd's leaf check, so the layers get a copy.
+        x = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+        for layer in self._modules.values():
+            x = layer(x)
+        return x
+
+    def _receive(self, m: int) -> tuple[Any, int]:
+        assert self._transport is not None
+        with self.timeline.record("recv-wait", m):
+            x, fields = self._transport.recv(self._k - 1, f"micro-batch {m}'s input")
+        return x, fields["M"]
+
+    def _send(self, dst: int, obj: Any, m: int, **kwargs: Any) -> list[TensorMeta]:
+        assert self._transport is not None
+        with self.timeline.record("send", m):
+            metas = self._transport.send(dst, obj, **kwargs)
+            self._transport.retire_sends()
+        return metas
+
+    def _split_input(self, input: Any) -> tuple[list[Any], list[Any]]:
+        """Stage 0: M micro-batches of leaves, and the caller's tensors that want the input gradient at the end."""
+        leaves, spec = tree_flatten(input)
+        wants = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+        micro = []
+        for mb in split(
+            tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec), self._chunks
+        ):
+            mb_leaves, mb_spec = tree_flatten(mb)
+            micro.append(
+                tree_unflatten(
+                    [
+                        x.detach().requires_grad_(w) if isinstance(x, torch.Tensor) else x
+                        for x, w in zip(mb_leaves, wants)
+                    ],
+                    mb_spec,
+                )
+            )
+        return micro, [x for x, w in zip(leaves, wants) if w]
+
+    # -------------------------------------------------------------------------------------------------- failures
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(
+                "this pipeline failed earlier and its process group is in an unknown state; "
+                f"restart the processes. The earlier failure: {self._broken}"
+            )
+
+    @contextmanager
+    def _phase(self, phase: str) -> Iterator[list[int | None]]:
+        """Turns any error into a PipelineError that reaches every stage, then checks that all stages succeeded."""
+        self._check_usable()
+        where: list[int | None] = [None]  # the micro-batch being worked on, for the error message
+        try:
+            with self.timeline.record("step", label=phase):
+                yield where
+        except Exception as e:
+            err = (
+                e
+                if isinstance(e, PipelineError)
+                else PipelineError.from_exception(e, stage=self._k, phase=phase, micro_batch=where[0])
+            )
+            self._fail(err, phase)
+            if err is e:
+                raise
+            raise err from e
+
+    def _fail(self, err: PipelineError, phase: str) -> None:
+        self._broken = err
+        self._step = None
+        tr = self._transport
+        if tr is None or err.settled:
+            return  # a settled error came out of the status check: every stage knows already
+        # Wake the neighbours that may wait for this stage; whoever receives it passes it on.
+        for dst in (self._k - 1, self._k + 1):
+            if 0 <= dst < self._K and dst != err.via:
+                tr.send_error(dst, err)
+        if self.is_last and self._output_mode == "all" and phase in ("forward", "evaluation"):
+            for dst in range(self._K - 1):
+                tr.send_error(dst, err, tag=OUTPUT_TAG)
+        tr.abandon_sends()
+        if self._status_checked(phase):
+            self._status.check(err)  # raises err once every stage knows
+
+    def _status_checked(self, phase: str) -> bool:
+        # The output broadcast already tells every stage how a forward phase ended.
+        return self._status is not None and (phase == "backward" or self._output_mode == "last")
+
+    def abort(self, exc: BaseException) -> None:
+        """Report a failure outside the pipelined module (e.g. in the loss) to every stage, then raise it."""
+        phase = "backward" if self._step is not None else "forward"
+        err = PipelineError.from_exception(exc, stage=self._k, phase="step", micro_batch=None)
+        self._fail(err, phase)
+        raise err from exc
+
+    def reset(self) -> None:
+        """Forget a forward phase whose backward will not run (e.g. a skipped step)."""
+        self._step = None
+
+    # ----------------------------------------------------------------------------------------------------- phases
+    def forward(self, input: Any = None) -> Any:
+        """Forward phase (grad enabled) or forward-only pipeline (no grad); ``input`` is used on stage 0 only."""
+        if torch.is_grad_enabled():
+            return self._forward_phase(input)
+        return self._evaluate(input)
+
+    def _forward_phase(self, input: Any) -> Any:
+        if self._step is not None:
+            raise RuntimeError(
+                "the pipelined module was called again before backward() drained the previous call; call it once per "
+                "step (or call reset() if a step's backward is skipped)"
+            )
+        with self._phase("forward") as where:
+            micro_inputs, input_leaves = self._split_input(input) if self.is_first else ([], [])
+            could_require = any(p.requires_grad for p in self.parameters())
+            step = _Step([], input_leaves=input_leaves)
+            m, M = 0, len(micro_inputs)
+            while m < M or (m == 0 and not self.is_first):
+                where[0] = m
+                x, M = (micro_inputs[m], M) if self.is_first else self._receive(m)
+                ckpt = is_checkpointed(self._checkpoint, m, M)
+                state = ForwardState.capture([self._device]) if ckpt else None
+                with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
+                    y = self._run(x)
+                needs = could_require or any(t.requires_grad for t in _tensors(x))
+                marks = [_differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in _tensors(y)]
+                mb = _MicroBatch(x, y, state, marks)
+                if not self.is_last:
+                    mb.metas = self._send(self._k + 1, y, m, requires_grad=marks, m=m, M=M)
+                    if ckpt:
+                        mb.output = None
+                step.micro.append(mb)
+                m += 1
+            commit_deferred_batch_norm(self)
+            where[0] = None
+            output = self._join_outputs(step) if self.is_last else None
+            output = self._share_output(output)
+            if self._status_checked("forward"):
+                self._status.check(None)
+        self._step = step
+        return output
+
+    def _join_outputs(self, step: _Step) -> Any:
+        outs = [_detached(mb.output) for mb in step.micro]
+        step.sizes = [batch_size(o) for o in outs]
+        for mb in step.micro:
+            if mb.state is not None:
+                mb.output = None  # recomputed in the backward phase
+        joined = join(outs)
+        marks = [any(col) for col in zip(*(mb.marks for mb in step.micro))]
+        for t, mark in zip(_tensors(joined), marks):
+            t.requires_grad_(mark)
+        step.output = joined
+        return joined
+
+    def _share_output(self, output: Any) -> Any:
+        """In ``output="all"`` mode every stage gets the last stage's output, so all can compute the same loss."""
+        if self._output_mode != "all" or self._K == 1:
+            return output
+        assert self._transport is not None
+        if self.is_last:
+            marks = [t.requires_grad for t in _tensors(output)]
+            for dst in range(self._K - 1):
+                self._send(dst, output, -1, requires_grad=marks, tag=OUTPUT_TAG)
+            return output
+        with self.timeline.record("recv-wait", -1, label="output"):
+            shared, _ = self._transport.recv(self._K - 1, "the pipeline's output", tag=OUTPUT_TAG)
+        return shared
+
+    def backward(self, grad_output: Any = None) -> None:
+        """Backward phase: drain the micro-batches in reverse, recomputing checkpointed ones before their gradient.
+
+        On the last stage the gradient of the joined output is taken from its leaves' ``.grad`` (filled by the
+        caller's ``loss.backward()``), unless ``grad_output`` gives it. Stage 0 finally back-propagates into the
+        caller's input if it required grad.
+        """
+        self._check_usable()
+        step, self._step = self._step, None
+        if step is None:
+            raise RuntimeError("backward() was called without a forward phase to drain: call the module first")
+        tr = self._transport
+        with self._phase("backward") as where:
+            grads_m = self._output_grads(step, grad_output) if self.is_last else None
+            input_grads: list[list[torch.Tensor]] = [[] for _ in step.micro]
+            for m in backward_order(len(step.micro)):
+                where[0] = m
+                mb = step.micro[m]
+                pending = None
+                if not self.is_last:
+                    expect = [meta for meta, mark in zip(mb.metas, mb.marks) if mark]
+                    pending = tr.post_recv(self._k + 1, f"micro-batch {m}'s output gradient", expect=expect)
+                y = mb.output
+                if mb.state is not None:
+                    with self.timeline.record("recompute", m), mb.state.restore(), recomputing(), torch.enable_grad():
+                        y = self._run(mb.input)
+                if pending is not None:
+                    with self.timeline.record("recv-wait", m):
+                        grads, _ = pending.wait()
+                else:
+                    grads = grads_m[m]
+                with self.timeline.record("backward", m):
+                    marked = [t for t, mark in zip(_tensors(y), mb.marks) if mark]
+                    pairs = [(t, g) for t, g in zip(marked, grads) if t.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                leaves = [t for t in _tensors(mb.input) if t.requires_grad]
+                g_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+                step.micro[m] = _MicroBatch(None, None, None, [])  # free this micro-batch's memory now
+                if not self.is_first:
+                    self._send(self._k - 1, g_in, m, requires_grad=[False] * len(g_in))
+                else:
+                    input_grads[m] = g_in
+            where[0] = None
+            if self.is_first and step.input_leaves:
+                joined = [torch.cat(col) for col in zip(*input_grads)]
+                torch.autograd.backward(step.input_leaves, joined)
+            if self._status is not None:
+                self._status.check(None)
+        if tr is not None:
+            tr.wait_sends()
+
+    def _output_grads(self, step: _Step, grad_output: Any) -> list[list[torch.Tensor]]:
+        leaves = _tensors(step.output)
+        if grad_output is not None:
+            grads = _tensors(grad_output)
+        else:
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+        grads = [g for t, g in zip(leaves, grads) if t.requires_grad]
+        return [list(g) for g in split_by_sizes(grads, step.sizes)]
+
+    def _evaluate(self, input: Any) -> Any:
+        with self._phase("evaluation") as where, deferred_statistics():
+            micro_inputs = split(input, self._chunks) if self.is_first else []
+            outs = []
+            m, M = 0, len(micro_inputs)
+            while m < M or (m == 0 and not self.is_first):
+                where[0] = m
+                x, M = (micro_inputs[m], M) if self.is_first else self._receive(m)
+                with self.timeline.record("forward", m):
+                    y = self._run(x)
+                if self.is_last:
+                    outs.append(y)
+                else:
+                    self._send(self._k + 1, y, m, m=m, M=M)
+                m += 1
+            commit_deferred_batch_norm(self)
+            where[0] = None
+            output = self._share_output(join(outs) if self.is_last else None)
+            if self._status_checked("evaluation"):
+                self._status.check(None)
+        if self._transport is not None:
+            self._transport.wait_sends()
+        return output

@@ -1,0 +1,48 @@
+"""End-of-phase agreement: every stage learns whether the whole pipeline succeeded, and if not, which stage failed."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
+
+
+class StatusCheck:
+    """One small all-reduce per phase over the pipeline group (its CPU group).
+
+    A stage that fails sends its error to its neighbours, which wakes those that wait for it; the stages that do not
+    wait for it (those behind it in that phase's direction) finish the phase normally. Both then meet here, so no
+    rank returns successfully from a step that failed elsewhere.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, stage: int, timeout: timedelta) -> None:
+        self.group = group
+        self.stage = stage
+        self.timeout = timeout
+
+    def check(self, err: PipelineError | None) -> None:
+        flag = torch.tensor([0 if err is None else err.stage + 1], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PipelineTimeout(
+                f"stage {self.stage} waited {self.timeout.total_seconds():.0f} s for the other stages to finish the "
+                "phase; one of them probably died or hung",
+                stage=self.stage,
+                phase="status",
+            ) from e
+        if int(flag) == 0:
+            return
+        wires: list[dict | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(wires, None if err is None else err.to_wire(), group=self.group)
+        if err is None:
+            origin = int(flag) - 1
+            wire = next((w for w in wires if w is not None and w["stage"] == origin), None)
+            wire = wire or next(w for w in wires if w is not None)
+            err = PipelineError.from_wire(wire, received_by=self.stage)
+        err.settled = True
+        raise err
