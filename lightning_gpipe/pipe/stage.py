@@ -170,9 +170,9 @@ class PipelineStage(nn.Module):
             x, fields = self._transport.recv(self._k - 1, f"micro-batch {m}'s input")
         return x, fields["M"]
 
-    def _send(self, dst: int, obj: Any, m: int, **kwargs: Any) -> list[TensorMeta]:
+    def _send(self, dst: int, obj: Any, micro_batch: int, **kwargs: Any) -> list[TensorMeta]:
         assert self._transport is not None
-        with self.timeline.record("send", m):
+        with self.timeline.record("send", micro_batch):
             metas = self._transport.send(dst, obj, **kwargs)
             self._transport.retire_sends()
         return metas
@@ -233,13 +233,19 @@ class PipelineStage(nn.Module):
         # Wake the neighbours that may wait for this stage; whoever receives it passes it on.
         for dst in (self._k - 1, self._k + 1):
             if 0 <= dst < self._K and dst != err.via:
-                tr.send_error(dst, err)
+                self._notify(dst, err)
         if self.is_last and self._output_mode == "all" and phase in ("forward", "evaluation"):
             for dst in range(self._K - 1):
-                tr.send_error(dst, err, tag=OUTPUT_TAG)
+                self._notify(dst, err, tag=OUTPUT_TAG)
         tr.abandon_sends()
         if self._status_checked(phase):
             self._status.check(err)  # raises err once every stage knows
+
+    def _notify(self, dst: int, err: PipelineError, tag: int = 0) -> None:
+        try:
+            self._transport.send_error(dst, err, tag=tag)
+        except RuntimeError:
+            pass  # best effort: that peer is gone already (its process exited), so nobody waits on this message
 
     def _status_checked(self, phase: str) -> bool:
         # The output broadcast already tells every stage how a forward phase ended.

@@ -1,0 +1,92 @@
+"""Run a function on W gloo processes on 127.0.0.1 with a hard deadline; collect each rank's result or traceback."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple, pg_timeout: float) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        # Skip destroy_process_group: after an injected failure some sends are never received and would block it.
+        os._exit(0)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout: float = COLLECTIVE_TIMEOUT_S,
+    expect_errors: bool = False,
+) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order.
+
+    Raises if any rank raised (unless ``expect_errors``, in which case a rank's entry is its traceback string) or if
+    not every rank reported within ``timeout`` seconds (then all processes are killed).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, pg_timeout), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(got))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s; reported: {got}")
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+                got[rank] = (ok, value)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    missing = sorted(set(range(world_size)) - set(got))
+                    raise RuntimeError(f"ranks {missing} exited without reporting") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    failures = {r: v for r, (ok, v) in got.items() if not ok}
+    if failures and not expect_errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+    return [got[r][1] for r in range(world_size)]
