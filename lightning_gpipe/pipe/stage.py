@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -242,10 +242,9 @@ class PipelineStage(nn.Module):
             self._status.check(err)  # raises err once every stage knows
 
     def _notify(self, dst: int, err: PipelineError, tag: int = 0) -> None:
-        try:
+        # Best effort: if that peer's process is gone already, nobody waits on this message.
+        with suppress(RuntimeError):
             self._transport.send_error(dst, err, tag=tag)
-        except RuntimeError:
-            pass  # best effort: that peer is gone already (its process exited), so nobody waits on this message
 
     def _status_checked(self, phase: str) -> bool:
         # The output broadcast already tells every stage how a forward phase ended.
