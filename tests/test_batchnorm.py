@@ -134,6 +134,22 @@ def test_recompute_repeats_output_without_double_counting() -> None:
     assert_same_stats(deferred, reference)
 
 
+def test_recompute_after_the_forward_phase_does_not_update() -> None:
+    # The stage recomputes in the backward phase, outside deferred_statistics(): still no update there.
+    reference, deferred = pair(nn.BatchNorm2d, 0.1)
+    x = batch(8, (4, 4), seed=3)
+    micros = torch.tensor_split(x, 4)
+    with deferred_statistics(), torch.no_grad():
+        first = [deferred(m) for m in micros]
+    deferred.commit()
+    with recomputing():
+        again = [deferred(m) for m in micros]
+    for a, b in zip(first, again, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    reference(x)
+    assert_same_stats(deferred, reference)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_outside_pipeline_is_plain_batch_norm(layout: str) -> None:
     kind, sample = LAYOUTS[layout]

@@ -88,8 +88,9 @@ class DeferredBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if self._dims is None:
             self._seen_ndim = input.dim()
-        deferring = self.training and is_deferring() and self.running_mean is not None and self.running_var is not None
-        if not deferring:
+        # A recompute re-runs a micro-batch of a deferred forward phase: normalize the same way, but never update.
+        deferring = (is_deferring() or is_recomputing()) and self.training
+        if not deferring or self.running_mean is None or self.running_var is None:
             return super().forward(input)
         # Normalize first: it rejects a micro-batch with a single value per channel before anything is accumulated.
         output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
