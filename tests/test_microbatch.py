@@ -8,7 +8,6 @@ from collections import namedtuple
 import pytest
 import torch
 import torch.nn.functional as F
-from models import D, make_input, mlp
 
 from lightning_gpipe.pipe.microbatch import (
     batch_size,
@@ -18,6 +17,8 @@ from lightning_gpipe.pipe.microbatch import (
     split,
     split_by_sizes,
 )
+
+from models import D, make_input, mlp
 
 pytestmark = pytest.mark.timeout(30)
 

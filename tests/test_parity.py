@@ -10,14 +10,16 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gpipe.pipe import PipelineStage, micro_batch_sizes
+
 import models
 from launch import run_distributed
-from lightning_gpipe.pipe import PipelineStage, micro_batch_sizes
 
 TOL = 1e-6  # fp32, relative to the largest magnitude of the reference tensor
 BALANCES = {1: [8], 2: [3, 5], 3: [3, 3, 2], 4: [2, 2, 2, 2]}
 # (N, T) per step: the batch size and sequence length change every step; N=7 < M=8 runs fewer micro-batches.
-SHAPES = {"mlp": [(10, None), (7, None), (13, None)], "cells": [(10, 5), (7, 9), (13, 3)], "ids": [(10, 5), (7, 9), (13, 3)]}
+SEQUENCES = [(10, 5), (7, 9), (13, 3)]
+SHAPES = {"mlp": [(10, None), (7, None), (13, None)], "cells": SEQUENCES, "ids": SEQUENCES}
 MODES = ("always", "except_last", "never")
 MICRO = (1, 2, 4, 8)
 
@@ -155,7 +157,7 @@ def batchnorm_worker(rank: int, world_size: int, mode: str, M: int) -> dict[str,
     for step, N in enumerate((10, 13)):
         x = models.make_input("mlp", N, seed=step)
         inputs: dict[int, list[torch.Tensor]] = {1: [], 4: []}
-        hooks = [ref[i].register_forward_pre_hook(lambda mod, a, i=i: inputs[i].append(a[0].detach())) for i in (1, 4)]
+        hooks = [ref[i].register_forward_pre_hook(lambda _, a, got=got: got.append(a[0])) for i, got in inputs.items()]
         ref_out = torch.cat([ref(mb) for mb in x.split(micro_batch_sizes(N, M))])
         for h in hooks:
             h.remove()

@@ -164,10 +164,16 @@ class PipelineStage(nn.Module):
             x = layer(x)
         return x
 
-    def _receive(self, m: int) -> tuple[Any, int]:
+    def _receive(self, m: int, training: bool) -> tuple[Any, int]:
         assert self._transport is not None
         with self.timeline.record("recv-wait", m):
             x, fields = self._transport.recv(self._k - 1, f"micro-batch {m}'s input")
+        if fields["training"] != training:
+            modes = {True: "a training forward phase (grad enabled)", False: "a forward-only pass (no grad)"}
+            raise RuntimeError(
+                f"stage {self._k - 1} ran {modes[fields['training']]} while stage {self._k} ran {modes[training]}; "
+                "every stage must call the pipelined module in the same grad mode"
+            )
         return x, fields["M"]
 
     def _send(self, dst: int, obj: Any, micro_batch: int, **kwargs: Any) -> list[TensorMeta]:
@@ -281,7 +287,7 @@ class PipelineStage(nn.Module):
             m, M = 0, len(micro_inputs)
             while m < M or (m == 0 and not self.is_first):
                 where[0] = m
-                x, M = (micro_inputs[m], M) if self.is_first else self._receive(m)
+                x, M = (micro_inputs[m], M) if self.is_first else self._receive(m, training=True)
                 ckpt = is_checkpointed(self._checkpoint, m, M)
                 state = ForwardState.capture([self._device]) if ckpt else None
                 with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
@@ -290,7 +296,7 @@ class PipelineStage(nn.Module):
                 marks = [_differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in _tensors(y)]
                 mb = _MicroBatch(x, y, state, marks)
                 if not self.is_last:
-                    mb.metas = self._send(self._k + 1, y, m, requires_grad=marks, m=m, M=M)
+                    mb.metas = self._send(self._k + 1, y, m, requires_grad=marks, m=m, M=M, training=True)
                     if ckpt:
                         mb.output = None
                 step.micro.append(mb)
@@ -311,7 +317,11 @@ class PipelineStage(nn.Module):
             if mb.state is not None:
                 mb.output = None  # recomputed in the backward phase
         joined = join(outs)
+        # One set of marks for the joined output; the per-micro-batch marks may differ (a checkpointed micro-batch
+        # can only guess which outputs will need a gradient), and the gradient split must line up with all of them.
         marks = [any(col) for col in zip(*(mb.marks for mb in step.micro))]
+        for mb in step.micro:
+            mb.marks = marks
         for t, mark in zip(_tensors(joined), marks):
             t.requires_grad_(mark)
         step.output = joined
@@ -399,13 +409,13 @@ class PipelineStage(nn.Module):
             m, M = 0, len(micro_inputs)
             while m < M or (m == 0 and not self.is_first):
                 where[0] = m
-                x, M = (micro_inputs[m], M) if self.is_first else self._receive(m)
+                x, M = (micro_inputs[m], M) if self.is_first else self._receive(m, training=False)
                 with self.timeline.record("forward", m):
                     y = self._run(x)
                 if self.is_last:
                     outs.append(y)
                 else:
-                    self._send(self._k + 1, y, m, m=m, M=M)
+                    self._send(self._k + 1, y, m, m=m, M=M, training=False)
                 m += 1
             commit_deferred_batch_norm(self)
             where[0] = None
