@@ -236,6 +236,7 @@ class PipelineStage(nn.Module):
         tr = self._transport
         if tr is None or err.settled:
             return  # a settled error came out of the status check: every stage knows already
+        tr.abandon_sends()  # before queuing the error notices: dropping a gloo send's handle cancels it
         # Wake the neighbours that may wait for this stage; whoever receives it passes it on.
         for dst in (self._k - 1, self._k + 1):
             if 0 <= dst < self._K and dst != err.via:
@@ -243,8 +244,7 @@ class PipelineStage(nn.Module):
         if self.is_last and self._output_mode == "all" and phase in ("forward", "evaluation"):
             for dst in range(self._K - 1):
                 self._notify(dst, err, tag=OUTPUT_TAG)
-        tr.abandon_sends()
-        if self._status_checked(phase):
+        if self._status is not None:  # also in output="all" mode: keeps this process up until the notices arrive
             self._status.check(err)  # raises err once every stage knows
 
     def _notify(self, dst: int, err: PipelineError, tag: int = 0) -> None:
