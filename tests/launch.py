@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -18,22 +17,12 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple, pg_timeout: float) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout),
-        )
+        timeout = timedelta(seconds=pg_timeout)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -59,7 +48,9 @@ def run_distributed(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The parent hosts the rendezvous store, so no rank can take it down while the others still connect.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    port = store.port
     procs = [
         ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, pg_timeout), daemon=True)
         for rank in range(world_size)
@@ -86,6 +77,7 @@ def run_distributed(
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        del store
     failures = {r: v for r, (ok, v) in got.items() if not ok}
     if failures and not expect_errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))

@@ -231,11 +231,6 @@ def test_peer_skipping_backward_times_out(skipped_backward: list[Any]) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: stage 1 times out in the end-of-phase status check, which cannot tell which stage is missing, "
-    "and _fail then runs a second status check that waits another full timeout",
-)
 def test_peer_skipping_backward_is_named(skipped_backward: list[Any]) -> None:
     result = skipped_backward[1]
     assert "stage 0" in result["message"], result["message"]

@@ -8,8 +8,9 @@ import traceback
 class PipelineError(RuntimeError):
     """A stage of the pipeline failed; raised on the failing rank and, by propagation, on every other one."""
 
-    def __init__(self, message: str, *, stage: int, phase: str, remote_traceback: str = "") -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, stage: int, phase: str, remote_traceback: str = "", note: str = "") -> None:
+        super().__init__(message + note)
+        self.message = message  # without the note a receiving stage adds, so forwarding does not repeat it
         self.stage = stage
         self.phase = phase
         self.remote_traceback = remote_traceback
@@ -29,16 +30,19 @@ class PipelineError(RuntimeError):
         )
 
     def to_wire(self) -> dict:
-        return {"message": str(self), "stage": self.stage, "phase": self.phase, "traceback": self.remote_traceback}
+        return {"message": self.message, "stage": self.stage, "phase": self.phase, "traceback": self.remote_traceback}
 
     @classmethod
     def from_wire(cls, wire: dict, *, received_by: int) -> PipelineError:
-        message = wire["message"]
+        note = ""
         if wire["stage"] != received_by:
-            message += f"\n(reported to stage {received_by}; the original traceback of stage {wire['stage']}:)\n"
-            message += wire["traceback"]
-        return cls(message, stage=wire["stage"], phase=wire["phase"], remote_traceback=wire["traceback"])
+            note = f"\n(reported to stage {received_by}; the original traceback of stage {wire['stage']}:)\n"
+            note += wire["traceback"]
+        return cls(
+            wire["message"], stage=wire["stage"], phase=wire["phase"], remote_traceback=wire["traceback"], note=note
+        )
 
 
 class PipelineTimeout(PipelineError):
-    """A stage waited longer than the timeout for a peer: the peer died, hung, or skipped a collective call."""
+    """A stage waited longer than the timeout for a peer, or lost its connection: the peer died, hung, or skipped
+    a pipeline call. ``stage`` is the peer. Nothing more can cross that connection, so no status check follows."""

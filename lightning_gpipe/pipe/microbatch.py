@@ -56,7 +56,7 @@ def split_by_sizes(batch: Any, sizes: Sequence[int]) -> list[Any]:
 def split(batch: Any, chunks: int) -> list[Any]:
     """Split ``batch`` into M = min(chunks, N) micro-batches; warns once when N < chunks."""
     N = batch_size(batch)
-    if N < chunks:
+    if 0 < N < chunks:
         warnings.warn(
             f"the batch has {N} samples, fewer than chunks={chunks}: running {N} micro-batches of one sample",
             stacklevel=2,

@@ -19,7 +19,7 @@ from lightning_gpipe.pipe.batchnorm import (
     deferred_statistics,
 )
 from lightning_gpipe.pipe.checkpoint import ForwardState, recomputing
-from lightning_gpipe.pipe.errors import PipelineError
+from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.microbatch import batch_size, join, split, split_by_sizes
 from lightning_gpipe.pipe.partition import Balance, resolve_balance, stage_layers
 from lightning_gpipe.pipe.schedule import Checkpoint, backward_order, is_checkpointed, validate_checkpoint
@@ -244,7 +244,9 @@ class PipelineStage(nn.Module):
         if self.is_last and self._output_mode == "all" and phase in ("forward", "evaluation"):
             for dst in range(self._K - 1):
                 self._notify(dst, err, tag=OUTPUT_TAG)
-        if self._status is not None:  # also in output="all" mode: keeps this process up until the notices arrive
+        # Every stage that raises meets the others here, which also keeps this process alive until its notices are
+        # delivered. Not after a timeout or a lost peer: the check would only wait for the same silent peer again.
+        if self._status is not None and not isinstance(err, PipelineTimeout):
             self._status.check(err)  # raises err once every stage knows
 
     def _notify(self, dst: int, err: PipelineError, tag: int = 0) -> None:
@@ -306,7 +308,7 @@ class PipelineStage(nn.Module):
             output = self._join_outputs(step) if self.is_last else None
             output = self._share_output(output)
             if self._status_checked("forward"):
-                self._status.check(None)
+                self._status.check(None, self._transport.unreceived)
         self._step = step
         return output
 
@@ -389,7 +391,7 @@ class PipelineStage(nn.Module):
                 joined = [torch.cat(col) for col in zip(*input_grads)]
                 torch.autograd.backward(step.input_leaves, joined)
             if self._status is not None:
-                self._status.check(None)
+                self._status.check(None, tr.unreceived)
         if tr is not None:
             tr.wait_sends()
 
@@ -421,7 +423,7 @@ class PipelineStage(nn.Module):
             where[0] = None
             output = self._share_output(join(outs) if self.is_last else None)
             if self._status_checked("evaluation"):
-                self._status.check(None)
+                self._status.check(None, self._transport.unreceived)
         if self._transport is not None:
             self._transport.wait_sends()
         return output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -23,16 +24,24 @@ class StatusCheck:
         self.stage = stage
         self.timeout = timeout
 
-    def check(self, err: PipelineError | None) -> None:
+    def check(self, err: PipelineError | None, unreceived: Callable[[], list[int]] = list) -> None:
+        """Raise on every stage if any stage failed; ``unreceived`` names stages that never took our messages."""
         flag = torch.tensor([0 if err is None else err.stage + 1], dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
+            missing = unreceived()
+            suspect = (
+                f"stage {missing[0]} never received what stage {self.stage} sent it, so it probably skipped this "
+                "call (e.g. backward() on some stages only), hung, or died"
+                if missing
+                else "one of them probably skipped this call, hung, or died"
+            )
             raise PipelineTimeout(
                 f"stage {self.stage} waited {self.timeout.total_seconds():.0f} s for the other stages to finish the "
-                "phase; one of them probably died or hung",
-                stage=self.stage,
+                f"phase; {suspect}",
+                stage=missing[0] if missing else self.stage,
                 phase="status",
             ) from e
         if int(flag) == 0:

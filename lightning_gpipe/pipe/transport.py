@@ -94,7 +94,7 @@ class PendingRecv:
         for work in self.works:
             tr._wait(work, self.what, self.src)
         for t, meta in zip(self.tensors, metas):
-            if meta.requires_grad:
+            if meta.requires_grad and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_()
         tensors = self.tensors
         obj = tree_map(lambda x: tensors[x.i] if isinstance(x, _Slot) else x, header["skeleton"])
@@ -117,7 +117,7 @@ class Transport:
         self.stage = dist.get_rank(group)
         self.device = device
         self.timeout = timeout
-        self._pending_sends: list[tuple[Any, torch.Tensor]] = []
+        self._pending_sends: list[tuple[Any, torch.Tensor, int]] = []
 
     def _irecv(self, buf: torch.Tensor, src: int, tag: int, header: bool) -> Any:
         group = self.header_group if header else self.group
@@ -125,21 +125,37 @@ class Transport:
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int, header: bool) -> None:
         group = self.header_group if header else self.group
-        self._pending_sends.append((dist.isend(buf, group=group, group_dst=dst, tag=tag), buf))
+        try:
+            work = dist.isend(buf, group=group, group_dst=dst, tag=tag)
+        except RuntimeError as e:
+            raise self._lost(e, f"stage {dst} to take a message", dst) from e
+        # The handle must stay referenced until the peer received it: dropping a gloo send's handle cancels it.
+        self._pending_sends.append((work, buf, dst))
+
+    def _lost(self, e: RuntimeError, waited_for: str, peer: int) -> RuntimeError:
+        text = str(e)
+        if "imed out" in text:
+            return PipelineTimeout(
+                f"stage {self.stage} waited {self.timeout.total_seconds():.0f} s for {waited_for} and gave up. "
+                f"Stage {peer} probably died, hung, or did not make the same pipeline call: a pipelined module must "
+                "be called (and its backward run) on every stage of the pipeline, never on one rank only",
+                stage=peer,
+                phase="transport",
+            )
+        if "onnection" in text:  # "Connection closed by peer", "Connection reset by peer"
+            return PipelineTimeout(
+                f"stage {self.stage} lost its connection to stage {peer} while waiting for {waited_for}: the "
+                f"process of stage {peer} probably died (look for its error above, or for an out-of-memory kill)",
+                stage=peer,
+                phase="transport",
+            )
+        return e
 
     def _wait(self, work: Any, what: str, peer: int) -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
-            if "imed out" not in str(e):
-                raise
-            raise PipelineTimeout(
-                f"stage {self.stage} waited {self.timeout.total_seconds():.0f} s for {what} from stage {peer} and "
-                f"gave up. Stage {peer} probably died, hung, or did not make the same pipeline call: a pipelined "
-                "module must be called (and its backward run) on every stage of the pipeline, never on one rank only",
-                stage=peer,
-                phase="transport",
-            ) from e
+            raise self._lost(e, f"{what} from stage {peer}", peer) from e
 
     def _send_header(self, dst: int, header: dict, tag: int) -> None:
         payload = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
@@ -183,11 +199,18 @@ class Transport:
 
     def retire_sends(self) -> None:
         """Drop the sends the peers have received, releasing their buffers; never blocks."""
-        self._pending_sends = [(w, b) for w, b in self._pending_sends if not w.is_completed()]
+        self._pending_sends = [(w, b, d) for w, b, d in self._pending_sends if not w.is_completed()]
+
+    def unreceived(self) -> list[int]:
+        """The stages that have not yet received something this stage sent them."""
+        return sorted({d for w, _, d in self._pending_sends if not w.is_completed()})
 
     def wait_sends(self) -> None:
-        for work, _ in self._pending_sends:
-            self._wait(work, "its peer to receive a message", -1)
+        for work, _, dst in self._pending_sends:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as e:
+                raise self._lost(e, f"stage {dst} to receive a message", dst) from e
         self._pending_sends.clear()
 
     def abandon_sends(self) -> None:
