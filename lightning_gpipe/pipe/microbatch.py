@@ -87,6 +87,33 @@ def join(micro_batches: Sequence[Any]) -> Any:
     return tree_unflatten(joined, spec)
 
 
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a nested structure, in flattening order."""
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
+def differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def detached(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def split_leaves(batch: Any, chunks: int) -> tuple[list[Any], list[torch.Tensor]]:
+    """Split into micro-batches of fresh autograd leaves, each needing a gradient where the original tensor does;
+    also return those originals, into which the joined micro-batch gradients are back-propagated at the end."""
+    leaves, _ = tree_flatten(batch)
+    wants = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
+    micro = []
+    for mb in split(detached(batch), chunks):
+        mb_leaves, mb_spec = tree_flatten(mb)
+        fresh = [x.detach().requires_grad_(w) if isinstance(x, torch.Tensor) else x for x, w in zip(mb_leaves, wants)]
+        micro.append(tree_unflatten(fresh, mb_spec))
+    return micro, [x for x, w in zip(leaves, wants) if w]
+
+
 def micro_batch_weights(sizes: Sequence[int]) -> list[float]:
     """n_m / N: the weight that makes per-micro-batch means of a loss add up to the mean over the whole batch."""
     N = sum(sizes)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -206,3 +207,24 @@ def stage_layers(module: nn.Sequential, balance: Sequence[int], k: int) -> list[
         raise IndexError(f"stage {k} does not exist: there are {len(counts)} stages, numbered 0 to {len(counts) - 1}")
     start = sum(counts[:k])
     return list(module._modules.items())[start : start + counts[k]]  # type: ignore[return-value]
+
+
+def agree_on_balance(
+    module: nn.Sequential, K: int, balance: Balance, *, sample: Any = None, group: Any = None
+) -> list[int]:
+    """:func:`resolve_balance` on group rank 0, broadcast to the others (a collective when ``group`` is given).
+
+    Resolved once, so that profiled timings, which differ per process, cannot give two stages different splits;
+    an invalid balance raises the same error on every rank.
+    """
+    result: list[Any] = [None, None]
+    if group is None or dist.get_rank(group) == 0:
+        try:
+            result[0] = resolve_balance(module, K, balance, sample=sample)
+        except (ValueError, TypeError) as e:
+            result[1] = e
+    if group is not None and K > 1:
+        dist.broadcast_object_list(result, group=group, group_src=0)
+    if result[1] is not None:
+        raise result[1]
+    return result[0]

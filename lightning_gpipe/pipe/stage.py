@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from lightning_gpipe.pipe.batchnorm import (
     commit_deferred_batch_norm,
@@ -20,8 +20,17 @@ from lightning_gpipe.pipe.batchnorm import (
 )
 from lightning_gpipe.pipe.checkpoint import ForwardState, recomputing
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
-from lightning_gpipe.pipe.microbatch import batch_size, join, split, split_by_sizes
-from lightning_gpipe.pipe.partition import Balance, resolve_balance, stage_layers
+from lightning_gpipe.pipe.microbatch import (
+    batch_size,
+    detached,
+    differentiable,
+    join,
+    split,
+    split_by_sizes,
+    split_leaves,
+    tensors,
+)
+from lightning_gpipe.pipe.partition import Balance, agree_on_balance, stage_layers
 from lightning_gpipe.pipe.schedule import Checkpoint, backward_order, is_checkpointed, validate_checkpoint
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
@@ -43,19 +52,6 @@ class _Step:
     input_leaves: list[Any] = field(default_factory=list)  # stage 0: the caller's input tensors needing a gradient
     output: Any = None  # last stage: the joined output, whose leaves collect the caller's gradient
     sizes: list[int] = field(default_factory=list)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
-
-
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
-def _detached(obj: Any) -> Any:
-    leaves, spec = tree_flatten(obj)
-    return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
 class PipelineStage(nn.Module):
@@ -103,7 +99,9 @@ class PipelineStage(nn.Module):
             backend = dist.get_backend(group) if distributed else "gloo"
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._device = torch.device(device)
-        self._balance = self._agree_on_balance(module, balance, sample, header_group)
+        self._balance = agree_on_balance(
+            module, self._K, balance, sample=sample, group=header_group if distributed else None
+        )
         for name, layer in stage_layers(module, self._balance, self._k):
             self.add_module(name, convert_deferred_batch_norm(layer) if deferred_batch_norm else layer)
         self._transport = (
@@ -141,25 +139,12 @@ class PipelineStage(nn.Module):
     def chunks(self) -> int:
         return self._chunks
 
-    def _agree_on_balance(self, module: nn.Sequential, balance: Balance, sample: Any, group: Any) -> list[int]:
-        # Resolved once, on stage 0, so that profiled timings (which differ per process) cannot split differently.
-        result: list[Any] = [None, None]
-        if self._k == 0:
-            try:
-                result[0] = resolve_balance(module, self._K, balance, sample=sample)
-            except (ValueError, TypeError) as e:
-                result[1] = e
-        if self._K > 1:
-            dist.broadcast_object_list(result, group=group, group_src=0)
-        if result[1] is not None:
-            raise result[1]
-        return result[0]
-
     # -------------------------------------------------------------------------------------------- running layers
-    def _run(self, x: Any) -> Any:
-        # The boundary input is kept for the recompute and may be a leaf that requires grad: an in-place first layer
-        # (ReLU(inplace=True)) must neither corrupt it nor trip autograd's leaf check, so the layers get a copy.
-        x = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+    def _run(self, x: Any, copy: bool = True) -> Any:
+        # A training boundary input is kept for the recompute and may be a leaf that requires grad: an in-place
+        # first layer (ReLU(inplace=True)) must neither corrupt it nor trip autograd's leaf check, so layers get a copy.
+        if copy:
+            x = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
         for layer in self._modules.values():
             x = layer(x)
         return x
@@ -182,26 +167,6 @@ class PipelineStage(nn.Module):
             metas = self._transport.send(dst, obj, **kwargs)
             self._transport.retire_sends()
         return metas
-
-    def _split_input(self, input: Any) -> tuple[list[Any], list[Any]]:
-        """Stage 0: M micro-batches of leaves, and the caller's tensors that want the input gradient at the end."""
-        leaves, spec = tree_flatten(input)
-        wants = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
-        micro = []
-        for mb in split(
-            tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in leaves], spec), self._chunks
-        ):
-            mb_leaves, mb_spec = tree_flatten(mb)
-            micro.append(
-                tree_unflatten(
-                    [
-                        x.detach().requires_grad_(w) if isinstance(x, torch.Tensor) else x
-                        for x, w in zip(mb_leaves, wants)
-                    ],
-                    mb_spec,
-                )
-            )
-        return micro, [x for x, w in zip(leaves, wants) if w]
 
     # -------------------------------------------------------------------------------------------------- failures
     def _check_usable(self) -> None:
@@ -283,7 +248,7 @@ class PipelineStage(nn.Module):
                 "step (or call reset() if a step's backward is skipped)"
             )
         with self._phase("forward") as where:
-            micro_inputs, input_leaves = self._split_input(input) if self.is_first else ([], [])
+            micro_inputs, input_leaves = split_leaves(input, self._chunks) if self.is_first else ([], [])
             could_require = any(p.requires_grad for p in self.parameters())
             step = _Step([], input_leaves=input_leaves)
             m, M = 0, len(micro_inputs)
@@ -294,8 +259,8 @@ class PipelineStage(nn.Module):
                 state = ForwardState.capture([self._device]) if ckpt else None
                 with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
                     y = self._run(x)
-                needs = could_require or any(t.requires_grad for t in _tensors(x))
-                marks = [_differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in _tensors(y)]
+                needs = could_require or any(t.requires_grad for t in tensors(x))
+                marks = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(y)]
                 mb = _MicroBatch(x, y, state, marks)
                 if not self.is_last:
                     mb.metas = self._send(self._k + 1, y, m, requires_grad=marks, m=m, M=M, training=True)
@@ -313,7 +278,7 @@ class PipelineStage(nn.Module):
         return output
 
     def _join_outputs(self, step: _Step) -> Any:
-        outs = [_detached(mb.output) for mb in step.micro]
+        outs = [detached(mb.output) for mb in step.micro]
         step.sizes = [batch_size(o) for o in outs]
         for mb in step.micro:
             if mb.state is not None:
@@ -324,7 +289,7 @@ class PipelineStage(nn.Module):
         marks = [any(col) for col in zip(*(mb.marks for mb in step.micro))]
         for mb in step.micro:
             mb.marks = marks
-        for t, mark in zip(_tensors(joined), marks):
+        for t, mark in zip(tensors(joined), marks):
             t.requires_grad_(mark)
         step.output = joined
         return joined
@@ -335,7 +300,7 @@ class PipelineStage(nn.Module):
             return output
         assert self._transport is not None
         if self.is_last:
-            marks = [t.requires_grad for t in _tensors(output)]
+            marks = [t.requires_grad for t in tensors(output)]
             for dst in range(self._K - 1):
                 self._send(dst, output, -1, requires_grad=marks, tag=OUTPUT_TAG)
             return output
@@ -375,11 +340,11 @@ class PipelineStage(nn.Module):
                 else:
                     grads = grads_m[m]
                 with self.timeline.record("backward", m):
-                    marked = [t for t, mark in zip(_tensors(y), mb.marks) if mark]
+                    marked = [t for t, mark in zip(tensors(y), mb.marks) if mark]
                     pairs = [(t, g) for t, g in zip(marked, grads) if t.requires_grad]
                     if pairs:
                         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-                leaves = [t for t in _tensors(mb.input) if t.requires_grad]
+                leaves = [t for t in tensors(mb.input) if t.requires_grad]
                 g_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
                 step.micro[m] = _MicroBatch(None, None, None, [])  # free this micro-batch's memory now
                 if not self.is_first:
@@ -396,9 +361,9 @@ class PipelineStage(nn.Module):
             tr.wait_sends()
 
     def _output_grads(self, step: _Step, grad_output: Any) -> list[list[torch.Tensor]]:
-        leaves = _tensors(step.output)
+        leaves = tensors(step.output)
         if grad_output is not None:
-            grads = _tensors(grad_output)
+            grads = tensors(grad_output)
         else:
             grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
         grads = [g for t, g in zip(leaves, grads) if t.requires_grad]
@@ -413,7 +378,7 @@ class PipelineStage(nn.Module):
                 where[0] = m
                 x, M = (micro_inputs[m], M) if self.is_first else self._receive(m, training=False)
                 with self.timeline.record("forward", m):
-                    y = self._run(x)
+                    y = self._run(x, copy=False)
                 if self.is_last:
                     outs.append(y)
                 else:
