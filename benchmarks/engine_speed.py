@@ -6,13 +6,16 @@ One command does the whole run::
 
 The script spawns its own worker processes (gloo on 127.0.0.1, one thread each) for every job:
 
-* ``ours K=1``: one process (world size 1), ``PipelineStage(..., balance=[8])``, for each M;
 * ``K=2``: two processes; for each M, ``lightning_gpipe``'s ``PipelineStage(balance=[4, 4])`` and
   ``torch.distributed.pipelining``'s ``ScheduleGPipe`` are built from the same weights and timed **step by step
-  alternately** (ours, torch, ours, torch, ...), each on its own process group, so the two share the machine's state.
+  alternately** (the order flips every step), each on its own process group, so the two share the machine's state;
+* then ``K=1``: one process (world size 1): the plain model without the engine (a reference), then
+  ``PipelineStage(..., balance=[8])`` for each M.
 
 Each timed step is ``barrier; forward + loss + backward (no optimizer; grads zeroed before); barrier``; a step's
-time is the max over ranks. Medians (and min/max) over the timed steps are reported, after warm-up steps.
+time is the max over ranks. Every step also records the CPU that other processes used meanwhile; a step is clean
+below ``--clean-threshold`` cores, and after a disturbed one the workers idle until the machine is quiet again.
+Medians (and min/max) are over the clean steps, after warm-up steps; benchmarks/README.md has the figures.
 
 torch's stages are re-materialized the GPipe way: each stage's 4 layers run as **one**
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` call, so a stage keeps only its input per micro-batch
@@ -32,6 +35,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -377,6 +381,16 @@ def launch(world: int, job: dict) -> dict:
         return json.loads(Path(path).read_text())
 
 
+def engine_commit() -> str | None:
+    """The checkout's commit, with ``+dirty`` when lightning_gpipe/ has uncommitted changes (what workers import)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        git = ["git", "-C", str(Path(__file__).resolve().parent.parent)]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "lightning_gpipe"], capture_output=True, text=True)
+        return head + ("+dirty" if dirty.stdout.strip() else "")
+    return None
+
+
 def machine_info() -> dict:
     cpu = "unknown"
     with contextlib.suppress(OSError):
@@ -389,6 +403,7 @@ def machine_info() -> dict:
     except AttributeError:
         usable = os.cpu_count()
     return {
+        "engine_commit": engine_commit(),
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
         "usable_cores": usable,
@@ -544,11 +559,12 @@ def main() -> None:
         # Within a round: the K=2 job (ours and torch alternating step by step), then the K=1 job.
         for world, name in ((2, "K=2 ours/torch alternating"), (1, "K=1 ours")):
             waited = wait_quiet(args.wait_quiet, args.clean_threshold) if args.wait_quiet > 0 else 0.0
-            t0 = time.perf_counter()
+            t0, commit = time.perf_counter(), engine_commit()
             raw[f"k{world}"].append(launch(world, dict(job, trace=args.trace and r == 0 and world == 2)))
             order.append(
                 f"round {r}: {name}, M={args.micro_batches} ({time.perf_counter() - t0:.0f} s"
-                + (f", after waiting {waited:.0f} s for a quiet machine)" if waited >= 3 else ")")
+                + (f", after waiting {waited:.0f} s for a quiet machine" if waited >= 3 else "")
+                + f"; engine {commit} at spawn)"
             )
             print(f"# {order[-1]}", flush=True)
     foreign = foreign_load(snap_before, cpu_snapshot())
@@ -655,11 +671,18 @@ def main() -> None:
         f"# other processes used {foreign['foreign_cores']:.2f} cores on average during the run (steal "
         f"{foreign['steal_cores']:.2f}); load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}"
     )
+    commit_after = engine_commit()
+    if commit_after != info["engine_commit"]:
+        print(
+            f"# WARNING: lightning_gpipe/ changed during the run ({info['engine_commit']} -> {commit_after}); "
+            "each job's line above says what its workers imported"
+        )
     print(f"# total {total:.0f} s")
 
     result = {
         "command": " ".join(["python", *sys.argv]),
         "machine": info,
+        "engine_commit_after": commit_after,
         "machine_check": {
             **probes,
             "load_average_before": load_before,

@@ -54,6 +54,18 @@ class _Step:
     sizes: list[int] = field(default_factory=list)
 
 
+def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """Headers and status checks are read on the CPU: with NCCL they need a gloo group over the same ranks."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    if group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            f"the pipeline group uses {dist.get_backend(group)!r}; pass header_group=, a gloo group over the same "
+            "ranks (dist.new_group(ranks, backend='gloo'), created on every rank of the world)"
+        )
+    return dist.new_group(backend="gloo")
+
+
 class PipelineStage(nn.Module):
     """Stage k of K: owns a contiguous slice of an ``nn.Sequential`` and runs it as GPipe does.
 
@@ -91,7 +103,8 @@ class PipelineStage(nn.Module):
         group = group if group is not None or not distributed else dist.group.WORLD
         self._k = dist.get_rank(group) if distributed else 0
         self._K = dist.get_world_size(group) if distributed else 1
-        header_group = header_group if header_group is not None else group
+        if distributed and header_group is None:
+            header_group = _cpu_group(group)
         self._chunks = chunks
         self._checkpoint = validate_checkpoint(checkpoint)
         self._output_mode = output
