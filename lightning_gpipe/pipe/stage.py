@@ -74,6 +74,20 @@ class PipelineStage(nn.Module):
     of a training step (stage 0 splits the input into M micro-batches; the last stage returns the joined output as a
     leaf that collects the caller's gradient); :meth:`backward` then drains the micro-batches in reverse. Calling it
     without grad runs a forward-only pipeline. Every stage must make the same calls: they are collective.
+
+    Args:
+        module: the L layers; built alike on every rank (same seed), only this stage's layers are kept.
+        chunks: M, micro-batches per mini-batch (fewer, with a warning, when the batch has fewer samples).
+        balance: layers per stage, or how to find them: ``"parameters"``, ``"time"`` (profiles ``sample``), or a
+            per-layer cost ``fn(i, layer) -> c_i``; solved exactly on stage 0 and broadcast.
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"`` (see ``schedule``).
+        group: the pipeline's process group, stage k = group rank k (default: the world).
+        header_group: a gloo group over the same ranks for headers and status checks (made for you if needed).
+        deferred_batch_norm: turn BatchNorm layers into :class:`DeferredBatchNorm`.
+        output: ``"last"`` returns the output on the last stage only; ``"all"`` on every stage.
+        device: where received tensors go (default: the current CUDA device with NCCL, else the CPU).
+        timeout: seconds to wait for a peer before raising :class:`PipelineTimeout`.
+        timeline: record per-micro-batch events in ``self.timeline``.
     """
 
     def __init__(
