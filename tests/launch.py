@@ -20,9 +20,22 @@ COLLECTIVE_TIMEOUT_S = 60.0
 def _entry(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple, pg_timeout: float) -> None:
     torch.set_num_threads(1)
     try:
-        timeout = timedelta(seconds=pg_timeout)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        if pg_timeout > 0:
+            timeout = timedelta(seconds=pg_timeout)
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            # As torchrun would: Lightning finds these and lets its own setup create the process group.
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                WORLD_SIZE=str(world_size),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                GROUP_RANK="0",
+                TORCHELASTIC_RUN_ID="tests",
+            )
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -40,8 +53,12 @@ def run_distributed(
     timeout: float = 120.0,
     pg_timeout: float = COLLECTIVE_TIMEOUT_S,
     expect_errors: bool = False,
+    lightning: bool = False,
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order.
+
+    With ``lightning=True`` no process group is made; the processes get torchrun's environment variables instead,
+    so that a Trainer inside ``fn`` sets up the group itself (its rank 0 hosts the store on the given port).
 
     Raises if any rank raised (unless ``expect_errors``, in which case a rank's entry is its traceback string) or if
     not every rank reported within ``timeout`` seconds (then all processes are killed).
@@ -51,8 +68,11 @@ def run_distributed(
     # The parent hosts the rendezvous store, so no rank can take it down while the others still connect.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
     port = store.port
+    if lightning:
+        del store  # hand the port to the Trainer's own store on rank 0
+        pg_timeout = 0
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, pg_timeout), daemon=True)
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, pg_timeout), daemon=False)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -77,7 +97,6 @@ def run_distributed(
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-        del store
     failures = {r: v for r, (ok, v) in got.items() if not ok}
     if failures and not expect_errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))

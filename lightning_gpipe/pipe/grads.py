@@ -1,0 +1,215 @@
+"""Gradient synchronization for pipeline × data parallelism: pipeline sums, bucketed dp means, global clipping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["BucketedAllReduce", "clip_grad_norm_", "global_grad_norm", "sum_over_pipeline"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+_Key = tuple[torch.dtype, torch.device]
+
+
+def _trainable(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    # Tied parameters appear once, or their gradient would be packed (and clipped) twice; frozen ones never get grads.
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _ensure_grad(p: nn.Parameter) -> torch.Tensor:
+    # A rank that did not touch p must still contribute (zeros) so that every rank issues identical collectives.
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _by_dtype_device(params: Sequence[nn.Parameter]) -> dict[_Key, list[nn.Parameter]]:
+    # Keyed on the parameter, not its grad: the grad may be None on this rank but not on its peers.
+    groups: dict[_Key, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    return groups
+
+
+def _pack(params: Sequence[nn.Parameter], buffer: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        buffer[offset : offset + n].view(p.shape).copy_(_ensure_grad(p))
+        offset += n
+
+
+def _unpack(params: Sequence[nn.Parameter], buffer: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(buffer[offset : offset + n].view(p.shape))
+        offset += n
+
+
+def sum_over_pipeline(params: Sequence[nn.Parameter], pp_group: dist.ProcessGroup | None) -> None:
+    """SUM the gradients of replicated ``params`` over ``pp_group``, one fused all-reduce per dtype and device.
+
+    Every stage passes the same replicated parameters in the same order. A None grad counts as zeros and is a tensor
+    afterwards. No-op if ``pp_group`` is None or has size 1.
+    """
+    if _group_size(pp_group) == 1:
+        return
+    pending = []
+    for (dtype, device), group in _by_dtype_device(_trainable(params)).items():
+        buffer = torch.empty(sum(p.numel() for p in group), dtype=dtype, device=device)
+        _pack(group, buffer)
+        pending.append((group, buffer, dist.all_reduce(buffer, group=pp_group, async_op=True)))
+    for group, buffer, work in pending:
+        work.wait()
+        _unpack(group, buffer)
+
+
+class BucketedAllReduce:
+    """Averages gradients over the dp group in fused buckets (DDP's 25 MiB default; the Jizhi paper's tensor fusion
+    threshold θ).
+
+    Gradients are packed into flat buffers of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own),
+    grouped by dtype and device; each bucket is one asynchronous all-reduce(SUM), so the communication of one bucket
+    overlaps the packing of the next, then divided by the dp size and unpacked. Parameters whose grad is None get a
+    zero grad first, so every replica issues the same collectives in the same order. The flat buffers are allocated
+    on the first call and reused; the plan is rebuilt if a parameter changed dtype or device (module moved after
+    construction). Every replica must pass the same parameters in the same order.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        dp_group: dist.ProcessGroup | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.params = _trainable(params)
+        self.dp_group = dp_group
+        self.bucket_bytes = bucket_bytes
+        self._plan_keys: list[_Key] = []
+        self.buckets: list[list[nn.Parameter]] = []
+        self.buffers: list[torch.Tensor | None] = []
+        self._plan()
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    def _plan(self) -> None:
+        self._plan_keys = [(p.dtype, p.device) for p in self.params]
+        self.buckets = []
+        for group in _by_dtype_device(self.params).values():
+            bucket: list[nn.Parameter] = []
+            size = 0
+            for p in group:
+                nbytes = p.numel() * p.element_size()
+                if bucket and size + nbytes > self.bucket_bytes:
+                    self.buckets.append(bucket)
+                    bucket, size = [], 0
+                bucket.append(p)
+                size += nbytes
+            if bucket:
+                self.buckets.append(bucket)
+        self.buffers = [None] * len(self.buckets)
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        buffer = self.buffers[i]
+        if buffer is None:
+            first = self.buckets[i][0]
+            numel = sum(p.numel() for p in self.buckets[i])
+            buffer = self.buffers[i] = torch.empty(numel, dtype=first.dtype, device=first.device)
+        return buffer
+
+    def __call__(self) -> None:
+        world = _group_size(self.dp_group)
+        if world == 1:
+            return
+        if [(p.dtype, p.device) for p in self.params] != self._plan_keys:
+            self._plan()
+        pending = []
+        for i, bucket in enumerate(self.buckets):
+            buffer = self._buffer(i)
+            _pack(bucket, buffer)
+            pending.append((bucket, buffer, dist.all_reduce(buffer, group=self.dp_group, async_op=True)))
+        for bucket, buffer, work in pending:
+            work.wait()
+            # Gloo has no AVG, so divide after the sum (exact for power-of-two dp sizes).
+            buffer.div_(world)
+            _unpack(bucket, buffer)
+
+
+def _norm_device(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> torch.device:
+    # A stage without parameters still joins the all-reduce, on a device the backend accepts.
+    if params:
+        return params[0].device
+    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def global_grad_norm(
+    owned: Sequence[nn.Parameter],
+    replicated: Sequence[nn.Parameter],
+    norm_type: float,
+    pp_group: dist.ProcessGroup | None,
+    count_replicated: bool,
+) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole model's gradient across the pipeline, the same float32 value on every rank.
+
+    Each stage contributes ‖owned grads‖_p^p; the replicated grads (equal everywhere after :func:`sum_over_pipeline`)
+    are counted once, by the one stage passing ``count_replicated=True``. The contributions are summed (maxed for
+    p = inf) over ``pp_group``; None grads are skipped; ``pp_group`` None means this rank holds the whole model.
+    """
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    owned, replicated = _trainable(owned), _trainable(replicated)
+    owned_ids = {id(p) for p in owned}
+    counted = owned + ([p for p in replicated if id(p) not in owned_ids] if count_replicated else [])
+    device = _norm_device(owned + replicated, pp_group)
+    # Per-tensor norms in float32 whatever the grad dtype: bf16 sums of squares lose most of their digits.
+    norms = [torch.linalg.vector_norm(p.grad, norm_type, dtype=torch.float32) for p in counted if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    if math.isinf(norm_type):
+        if norms:
+            local = torch.stack([n.to(device) for n in norms]).max()
+        if _group_size(pp_group) > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pp_group)
+        return local
+    if norms:
+        local = torch.stack([n.to(device) for n in norms]).pow(norm_type).sum()
+    if _group_size(pp_group) > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=pp_group)
+    return local.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(
+    owned: Sequence[nn.Parameter],
+    replicated: Sequence[nn.Parameter],
+    max_norm: float,
+    norm_type: float,
+    pp_group: dist.ProcessGroup | None,
+    count_replicated: bool,
+) -> torch.Tensor:
+    """Scale all grads (owned and replicated) so that the global norm is at most ``max_norm``; returns the norm
+    before clipping (see :func:`global_grad_norm`)."""
+    total = global_grad_norm(owned, replicated, norm_type, pp_group, count_replicated)
+    torch.nn.utils.clip_grads_with_norm_(_trainable([*owned, *replicated]), max_norm, total)
+    return total

@@ -1,0 +1,419 @@
+"""GPipeStrategy: Lightning glue around the engine — mesh, launcher, setup, backward phase, reductions, clipping."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_gpipe import checkpointing
+from lightning_gpipe.pipe import PipelineStage
+from lightning_gpipe.pipe.grads import BucketedAllReduce, clip_grad_norm_, sum_over_pipeline
+from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
+
+Checkpoint = Literal["always", "except_last", "never"]
+
+
+class GPipeStrategy(ParallelStrategy):
+    """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
+
+    The backbone (``backbone``, a dotted attribute path) is split into K = ``pipeline_parallel_size`` stages, one
+    process each; the remaining processes form data-parallel replicas of the whole pipeline. The user's
+    ``training_step`` is unchanged: its call of the backbone runs the forward phase of M = ``chunks`` micro-batches
+    and gives every stage the backbone's output, so the loss, logging and metrics are the same on every rank;
+    ``backward`` drains the pipeline and reduces the gradients.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        chunks: int = 8,
+        pipeline_parallel_size: int | Literal["auto"] = "auto",
+        backbone: str = "backbone",
+        balance: list[int] | Literal["parameters", "time"] | Callable[[int, nn.Module], float] = "parameters",
+        checkpoint: Checkpoint = "except_last",
+        deferred_batch_norm: bool = True,
+        save_distributed_checkpoint: bool = True,
+        bucket_size_mb: float = 25.0,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__()
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks, M, must be an int ≥ 1")
+        if pipeline_parallel_size != "auto" and (
+            not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1
+        ):
+            raise ValueError(
+                f"GPipeStrategy(pipeline_parallel_size={pipeline_parallel_size!r}): give an int ≥ 1 or 'auto'"
+            )
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {list(CHECKPOINT_MODES)}")
+        self.chunks = chunks
+        self.backbone = backbone
+        self.balance = balance
+        self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.bucket_size_mb = bucket_size_mb
+        self._pipeline_parallel_size = pipeline_parallel_size
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: DeviceMesh | None = None
+        self._pp_group: Any = None
+        self._dp_group: Any = None
+        self._header_group: Any = None
+        self._stage: PipelineStage | None = None
+        self._replicated: list[nn.Parameter] = []
+        self._dp_reduce: BucketedAllReduce | None = None
+        self._sync_blocked = False
+        self.num_nodes = 1
+
+    # -------------------------------------------------------------------------------------------- process layout
+    @property
+    def is_distributed(self) -> bool:
+        # The connector only knows built-in classes: without this no DistributedSampler is injected.
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        if self._pipeline_parallel_size == "auto":
+            return self.num_nodes * self.num_processes
+        return self._pipeline_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the processes have started (after setup_environment)")
+        return self._device_mesh
+
+    @property
+    def stage(self) -> PipelineStage:
+        if self._stage is None:
+            raise RuntimeError("the pipeline stage exists after GPipeStrategy.setup()")
+        return self._stage
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Shard over data parallelism only: every stage of one pipeline must see the same batch.
+        dp = self.device_mesh["data_parallel"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        K = self.pipeline_parallel_size
+        if self.world_size % K:
+            raise ValueError(
+                f"GPipeStrategy(pipeline_parallel_size={K}) does not divide the world size {self.world_size} "
+                f"({self.num_nodes} node(s) × {self.num_processes} process(es)); choose a K that divides it, or 'auto'"
+            )
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        # Stages of one pipeline are consecutive ranks, so on multi-GPU nodes neighbours share a node.
+        self._device_mesh = init_device_mesh(
+            self.root_device.type,
+            (self.world_size // K, K),
+            mesh_dim_names=("data_parallel", "pipeline_parallel"),
+        )
+        self._pp_group = self._device_mesh["pipeline_parallel"].get_group()
+        self._dp_group = self._device_mesh["data_parallel"].get_group()
+        self._header_group = self._cpu_pipeline_group()
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _cpu_pipeline_group(self) -> Any:
+        """The engine reads headers and status on the CPU: with NCCL it needs gloo groups over the same ranks."""
+        if dist.get_backend(self._pp_group) == "gloo":
+            return self._pp_group
+        K, mine = self.pipeline_parallel_size, None
+        for start in range(0, self.world_size, K):  # new_group is collective over the world: all create all
+            group = dist.new_group(list(range(start, start + K)), backend="gloo")
+            if start <= self.global_rank < start + K:
+                mine = group
+        return mine
+
+    # ----------------------------------------------------------------------------------------------------- setup
+    def _find_backbone(self, module: pl.LightningModule) -> tuple[nn.Module, str, nn.Module]:
+        *parents, name = self.backbone.split(".")
+        parent: nn.Module = module
+        for attr in parents:
+            parent = getattr(parent, attr, None)
+            if parent is None:
+                break
+        found = getattr(parent, name, None) if parent is not None else None
+        if found is None:
+            candidates = [n for n, m in module.named_modules() if isinstance(m, nn.Sequential) and n]
+            raise AttributeError(
+                f"GPipeStrategy(backbone={self.backbone!r}): {type(module).__name__} has no attribute "
+                f"{self.backbone!r}. nn.Sequential attributes found: {candidates or 'none'}; pass one of them as "
+                "GPipeStrategy(backbone=...)"
+            )
+        if not isinstance(found, nn.Sequential | PipelineStage):
+            raise TypeError(
+                f"GPipeStrategy(backbone={self.backbone!r}) is a {type(found).__name__}, not an nn.Sequential: "
+                "express the part to pipeline as an nn.Sequential of layers"
+            )
+        return parent, name, found
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        if type(self.lightning_module).__name__ == "OptimizedModule":
+            raise TypeError(
+                "GPipeStrategy cannot pipeline a torch.compile'd LightningModule: compile inside "
+                "configure_model() instead"
+            )
+        parent, name, backbone = self._find_backbone(self.lightning_module)
+        if isinstance(backbone, PipelineStage):  # setup() runs again for validate/test after fit
+            self._stage = backbone
+        else:
+            self._stage = PipelineStage(
+                backbone,
+                chunks=self.chunks,
+                balance=self.balance,
+                checkpoint=self.checkpoint,
+                group=self._pp_group,
+                header_group=self._header_group,
+                deferred_batch_norm=self.deferred_batch_norm,
+                output="all",
+                device=self.root_device,
+                timeout=self._timeout.total_seconds() if self._timeout else 1800.0,
+            )
+            setattr(parent, name, self._stage)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        owned = {id(p) for p in self._stage.parameters()}
+        self._replicated = [p for p in self.lightning_module.parameters() if id(p) not in owned]
+        self._dp_reduce = BucketedAllReduce(
+            list(self.lightning_module.parameters()), self._dp_group, int(self.bucket_size_mb * 2**20)
+        )
+        # Lightning clips with a local norm; a pipeline needs the norm of the whole model across stages.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._reject_closure_replaying_optimizers()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    def _reject_closure_replaying_optimizers(self) -> None:
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise TypeError(
+                    "GPipeStrategy cannot run LBFGS: it re-evaluates the closure a data-dependent number of times, "
+                    "and every evaluation is a pipeline step all stages must take together; use a first-order "
+                    "optimizer"
+                )
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------------------------------- training step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
+        with self._abort_on_error():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._abort_on_error():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._abort_on_error():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._abort_on_error():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _abort_on_error(self) -> Generator[None, None, None]:
+        from lightning_gpipe.pipe import PipelineError
+
+        try:
+            yield
+        except PipelineError:
+            raise
+        except Exception as e:
+            # An error on one stage only (in the loss, say) must not leave the other stages waiting for it.
+            self.stage.abort(e)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        with self._abort_on_error():
+            # Every stage computed the same loss on the same output; the last stage's gradient is the one that
+            # drives the pipeline, and a head after the backbone must not collect K copies of its gradient.
+            if self.stage.is_last:
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            self.stage.backward()
+        if not self._sync_blocked:
+            self._reduce_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _reduce_gradients(self) -> None:
+        sum_over_pipeline(self._replicated, self._pp_group)
+        assert self._dp_reduce is not None
+        self._dp_reduce()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Entered on gradient-accumulation micro-steps: reductions wait for the step that ends the window.
+        self._sync_blocked = True
+        try:
+            yield
+        finally:
+            self._sync_blocked = False
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        params = list(self.precision_plugin.main_params(optimizer))
+        replicated_ids = {id(p) for p in self._replicated}
+        owned = [p for p in params if id(p) not in replicated_ids]
+        replicated = [p for p in params if id(p) in replicated_ids]
+        clip_grad_norm_(owned, replicated, clip_val, 2.0, self._pp_group, count_replicated=self.stage.is_first)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the stage must exist: each rank restores only its own layers
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}  # save_checkpoint collects the flattened, globally named states itself
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "GPipeStrategy.save_checkpoint does not take storage_options (it does not use CheckpointIO)"
+            )
+        path = Path(self.broadcast(str(filepath)))
+        assert self.model is not None
+        if self.save_distributed_checkpoint:
+            if self.is_global_zero and path.is_file():
+                path.unlink()
+            self.barrier()
+            checkpointing.save_sharded(checkpoint, path, self.model, self.optimizers, self.global_rank)
+        else:
+            if self.is_global_zero and path.is_dir():
+                shutil.rmtree(path)
+            checkpointing.save_single_file(checkpoint, path, self.model, self.optimizers, self.global_rank)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        return checkpointing.load(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in load_checkpoint
+
+    # ------------------------------------------------------------------------------------------- collectives
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        # Values are identical on the stages of a pipeline; sync_dist reduces over the data-parallel replicas.
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group if group is not None else self._dp_group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+# `Trainer(strategy="gpipe")` once this module is imported (``import lightning_gpipe.strategy`` or
+# ``from lightning_gpipe import GPipeStrategy``).
+if GPipeStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(GPipeStrategy.strategy_name, GPipeStrategy, description=GPipeStrategy.__doc__)

@@ -1,0 +1,114 @@
+"""GPipeStrategy: a pipelined Trainer run is the same run as a plain single-process one (pp, pp × dp)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import models
+from launch import run_distributed
+
+TOL = 1e-6
+N_SAMPLES, BATCH, STEPS, LR = 48, 6, 4, 0.1
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N_SAMPLES, models.D, generator=g), torch.randn(N_SAMPLES, models.D, generator=g))
+
+
+class Net(nn.Module):
+    """An embedding-like layer before the backbone and a head after it: both replicated on every stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.prefix = nn.Linear(models.D, models.D)
+        self.backbone = models.mlp()
+        self.head = nn.Linear(models.D, models.D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(self.prefix(x)))
+
+
+def lightning_module(momentum: float = 0.0):
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            net = Net()  # the same names and initial weights as the reference
+            self.prefix, self.backbone, self.head = net.prefix, net.backbone, net.head
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.mse_loss(self.head(self.backbone(self.prefix(x))), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=momentum)
+
+    return Module()
+
+
+def reference(dp: int, clip: float | None) -> dict[str, torch.Tensor]:
+    """Plain torch; each step averages the gradients of the dp replicas' batches (DistributedSampler shards)."""
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    x_all, y_all = dataset().tensors
+    # Lightning shuffles a training loader's injected DistributedSampler (seed 0, epoch 0).
+    shards = [torch.tensor(list(DistributedSampler(dataset(), num_replicas=dp, rank=d, seed=0))) for d in range(dp)]
+    for step in range(STEPS):
+        opt.zero_grad()
+        for shard in shards:
+            idx = shard[step * BATCH : (step + 1) * BATCH]
+            (F.mse_loss(net(x_all[idx]), y_all[idx]) / dp).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+    return {k: v.detach().clone() for k, v in net.named_parameters()}
+
+
+def fit_worker(rank: int, world_size: int, pp: int, chunks: int, clip: float | None) -> dict[str, float]:
+    import lightning.pytorch as pl
+
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = lightning_module()
+    strategy = GPipeStrategy(chunks=chunks, pipeline_parallel_size=pp, backbone="backbone")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=STEPS,
+        gradient_clip_val=clip,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    expected = reference(world_size // pp, clip)
+    errors = {}
+    for name, p in module.named_parameters():  # this stage's layers, under their global names, and the replicas
+        ref = expected[name]
+        errors[name] = ((p.detach() - ref).abs().max() / ref.abs().max()).item()
+    loss = float(trainer.callback_metrics["train_loss"])
+    return {"max": max(errors.values()), "errors": errors, "checked": len(errors), "loss": loss}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world_size", "pp", "chunks", "clip"), [(2, 2, 4, None), (2, 2, 3, 0.05), (4, 2, 4, 0.05)])
+def test_fit_equals_plain_training(world_size: int, pp: int, chunks: int, clip: float | None) -> None:
+    results = run_distributed(fit_worker, world_size, pp, chunks, clip, timeout=280, lightning=True)
+    for rank, r in enumerate(results):
+        assert r["max"] <= TOL, (rank, r)
+        assert r["checked"] > 4, (rank, r)  # replicated prefix/head plus this stage's layers
+    assert len({r["loss"] for r in results[:pp]}) == 1  # every stage of a pipeline logged the same value

@@ -1,0 +1,62 @@
+"""Checkpoints: a run saved and resumed continues exactly as an uninterrupted one, folder or single file."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_strategy import BATCH, dataset, lightning_module
+from torch.utils.data import DataLoader
+
+from launch import run_distributed
+
+TOL = 1e-6
+
+
+def _fit(pp: int, world_size: int, epochs: int, distributed: bool, ckpt_path: str | None = None):
+    import lightning.pytorch as pl
+
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    module = lightning_module(momentum=0.9)  # momentum buffers make the optimizer state matter
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=GPipeStrategy(chunks=3, pipeline_parallel_size=pp, save_distributed_checkpoint=distributed),
+        max_epochs=epochs,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def resume_worker(rank: int, world_size: int, folder: str, distributed: bool) -> dict[str, float]:
+    warnings.simplefilter("ignore")
+    _, straight = _fit(2, world_size, 2, distributed)
+    first, _ = _fit(2, world_size, 1, distributed)
+    path = str(Path(folder) / "epoch1.ckpt")
+    first.save_checkpoint(path)
+    kind = "folder" if Path(path).is_dir() else "file" if Path(path).is_file() else "missing"
+    resumed_trainer, resumed = _fit(2, world_size, 2, distributed, ckpt_path=path)
+    ref = dict(straight.named_parameters())
+    err = max(((p - ref[n]).abs().max() / ref[n].abs().max()).item() for n, p in resumed.named_parameters())
+    return {"err": err, "kind": kind, "steps": resumed_trainer.global_step}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("distributed", [True, False])
+def test_resume_continues_identically(tmp_path: Path, distributed: bool) -> None:
+    results = run_distributed(resume_worker, 2, str(tmp_path), distributed, timeout=280, lightning=True)
+    for rank, r in enumerate(results):
+        assert r["kind"] == ("folder" if distributed else "file"), r
+        assert r["steps"] == 16, r
+        assert r["err"] <= TOL, (rank, r)
+    if not distributed:
+        # One ordinary Lightning checkpoint whose state_dict has exactly the plain module's keys.
+        saved = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+        assert set(saved["state_dict"]) == set(lightning_module().state_dict())
