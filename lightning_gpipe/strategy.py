@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_gpipe import checkpointing
 from lightning_gpipe.pipe import PipelineStage
@@ -250,6 +251,7 @@ class GPipeStrategy(ParallelStrategy):
         )
         # Lightning clips with a local norm; a pipeline needs the norm of the whole model across stages.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self._agree_on_loss_scaling()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -257,6 +259,21 @@ class GPipeStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _agree_on_loss_scaling(self) -> None:
+        """16-mixed: a stage that finds an inf must make every stage skip the step, not only itself."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or isinstance(scaler, ShardedGradScaler):
+            return
+        # ShardedGradScaler all-reduces found_inf over the world group (pipeline stages and replicas alike).
+        self.precision_plugin.scaler = ShardedGradScaler(  # type: ignore[attr-defined]
+            device=self.root_device.type,
+            init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_factor=scaler.get_growth_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._reset_optimizers_and_schedulers()
