@@ -1,0 +1,45 @@
+"""Fit a tiny pipelined model; run by tests under torchrun and under Lightning's own launcher."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from test_strategy import BATCH, dataset, lightning_module, reference
+
+
+def main(out: str) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_gpipe import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    module = lightning_module()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=GPipeStrategy(chunks=3, timeout=timedelta(seconds=60)),
+        max_steps=4,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    expected = reference(1, None)
+    err = max(((p - expected[n]).abs().max() / expected[n].abs().max()).item() for n, p in module.named_parameters())
+    result = {"rank": trainer.global_rank, "err": err, "stage": trainer.strategy.stage.stage}
+    Path(f"{out}.{trainer.global_rank}").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
