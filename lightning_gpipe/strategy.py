@@ -34,6 +34,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from lightning_gpipe import checkpointing
 from lightning_gpipe.pipe import PipelineStage
 from lightning_gpipe.pipe.grads import BucketedAllReduce, clip_grad_norm_, sum_over_pipeline
+from lightning_gpipe.pipe.microbatch import tensors
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
 
 Checkpoint = Literal["always", "except_last", "never"]
@@ -296,7 +297,27 @@ class GPipeStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
         with self._abort_on_error():
+            self._check_same_batch(args[0] if args else kwargs.get("batch"))
             return super().training_step(*args, **kwargs)
+
+    def _check_same_batch(self, batch: Any) -> None:
+        """Every stage of a pipeline must see the same batch; a checksum catches per-rank augmentation early."""
+        if self.pipeline_parallel_size == 1:
+            return
+        leaves = tensors(batch)
+        signature = torch.tensor(
+            [sum(float(t.detach().double().sum()) for t in leaves), sum(t.numel() for t in leaves)], dtype=torch.float64
+        )
+        gathered = [torch.empty_like(signature) for _ in range(self.pipeline_parallel_size)]
+        dist.all_gather(gathered, signature, group=self._header_group)
+        differ = [k for k, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+        if differ:
+            raise RuntimeError(
+                f"stage(s) {differ} of this pipeline got a different batch than stage 0: every stage of a pipeline "
+                "must load the same batch. Random augmentation seeded by the global rank (seed_everything("
+                "workers=True)) or a custom sampler sharding over all ranks causes this; seed per data-parallel "
+                "replica, or shard over data_parallel_size (GPipeStrategy.distributed_sampler_kwargs)"
+            )
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._abort_on_error():

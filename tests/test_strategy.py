@@ -112,3 +112,38 @@ def test_fit_equals_plain_training(world_size: int, pp: int, chunks: int, clip: 
         assert r["max"] <= TOL, (rank, r)
         assert r["checked"] > 4, (rank, r)  # replicated prefix/head plus this stage's layers
     assert len({r["loss"] for r in results[:pp]}) == 1  # every stage of a pipeline logged the same value
+
+
+def different_batch_worker(rank: int, world_size: int) -> str:
+    import lightning.pytorch as pl
+
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+
+    class Augmenting(TensorDataset):
+        def __getitem__(self, i):  # noise drawn per rank: the two stages would train on different inputs
+            x, y = super().__getitem__(i)
+            return x + torch.randn(x.shape, generator=torch.Generator().manual_seed(rank)), y
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=GPipeStrategy(chunks=2),
+        max_steps=2,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(lightning_module(), DataLoader(Augmenting(*dataset().tensors), batch_size=BATCH))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_stages_given_different_batches_fail_clearly() -> None:
+    for message in run_distributed(different_batch_worker, 2, timeout=100, lightning=True):
+        assert "different batch than stage 0" in message and "seed" in message, message
