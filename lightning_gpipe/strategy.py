@@ -429,6 +429,15 @@ class GPipeStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group if group is not None else self._dp_group, reduce_op=reduce_op)
         return tensor
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # The parent sums the votes with self.reduce (over the replicas only) and compares them with the world size;
+        # ModelCheckpoint and EarlyStopping need one answer, the same on every rank.
+        if not _distributed_is_initialized():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes > 0)
+
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
