@@ -205,7 +205,9 @@ class GPipeStrategy(ParallelStrategy):
                 break
         found = getattr(parent, name, None) if parent is not None else None
         if found is None:
-            candidates = [n for n, m in module.named_modules() if isinstance(m, nn.Sequential) and n]
+            sequential = [n for n, m in module.named_modules() if isinstance(m, nn.Sequential) and n]
+            # Only the outermost ones: layers inside a Sequential are not candidates for a backbone.
+            candidates = [n for n in sequential if not any(n.startswith(f"{o}.") for o in sequential)]
             raise AttributeError(
                 f"GPipeStrategy(backbone={self.backbone!r}): {type(module).__name__} has no attribute "
                 f"{self.backbone!r}. nn.Sequential attributes found: {candidates or 'none'}; pass one of them as "
@@ -349,6 +351,11 @@ class GPipeStrategy(ParallelStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with self._abort_on_error():
+            if not self.stage.pending:
+                raise RuntimeError(
+                    f"the training step did not call self.{self.backbone}: GPipeStrategy pipelines that call, so "
+                    "every training step must call the backbone exactly once"
+                )
             # Every stage computed the same loss on the same output; the last stage's gradient is the one that
             # drives the pipeline, and a head after the backbone must not collect K copies of its gradient.
             if self.stage.is_last:

@@ -166,6 +166,11 @@ class PipelineStage(nn.Module):
     def chunks(self) -> int:
         return self._chunks
 
+    @property
+    def pending(self) -> bool:
+        """True between a training forward phase and its backward()."""
+        return self._step is not None
+
     # -------------------------------------------------------------------------------------------- running layers
     def _run(self, x: Any, copy: bool = True) -> Any:
         # A training boundary input is kept for the recompute and may be a leaf that requires grad: an in-place
@@ -271,8 +276,8 @@ class PipelineStage(nn.Module):
     def _forward_phase(self, input: Any) -> Any:
         if self._step is not None:
             raise RuntimeError(
-                "the pipelined module was called again before backward() drained the previous call; call it once per "
-                "step (or call reset() if a step's backward is skipped)"
+                "the pipelined module was called twice before backward() drained the first call: call it exactly once "
+                "per training step (or call reset() if a step's backward is skipped)"
             )
         with self._phase("forward") as where:
             micro_inputs, input_leaves = split_leaves(input, self._chunks) if self.is_first else ([], [])

@@ -1,0 +1,103 @@
+"""Bad input to GPipeStrategy: one clear error on every rank, before any work — never a hang."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_strategy import BATCH, dataset, lightning_module
+from torch import nn
+from torch.utils.data import DataLoader
+
+from launch import run_distributed
+
+
+def _fit(module, **strategy_kwargs) -> str:
+    import lightning.pytorch as pl
+
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=GPipeStrategy(**{"chunks": 2, **strategy_kwargs}),
+        max_steps=2,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _with_step(step: Callable) -> object:
+    module = lightning_module()
+    module.training_step = step.__get__(module)
+    return module
+
+
+def _twice(self, batch, batch_idx):
+    x, y = batch
+    h = self.backbone(self.prefix(x))
+    return F.mse_loss(self.head(self.backbone(self.prefix(x)) + h), y)
+
+
+def _never(self, batch, batch_idx):
+    x, y = batch
+    return F.mse_loss(self.head(self.prefix(x)), y)
+
+
+def _lbfgs(module):
+    module.configure_optimizers = lambda: torch.optim.LBFGS(module.parameters())
+    return module
+
+
+def _not_sequential():
+    module = lightning_module()
+    module.backbone = nn.ModuleList(list(module.backbone))
+    return module
+
+
+def errors_worker(rank: int, world_size: int) -> dict[str, str]:
+    warnings.simplefilter("ignore")
+    out = {
+        "missing": _fit(lightning_module(), backbone="trunk"),
+        "not_sequential": _fit(_not_sequential()),
+        "k_does_not_divide": _fit(lightning_module(), pipeline_parallel_size=3),
+        "balance": _fit(lightning_module(), balance=[4, 5]),
+        "lbfgs": _fit(_lbfgs(lightning_module())),
+    }
+    # Last: these fail inside a step, after which the pipeline is not reused.
+    out["never_called"] = _fit(_with_step(_never))
+    return out
+
+
+def twice_worker(rank: int, world_size: int) -> str:
+    warnings.simplefilter("ignore")
+    return _fit(_with_step(_twice))
+
+
+@pytest.mark.timeout(200)
+def test_bad_input_fails_clearly_on_every_rank() -> None:
+    results = run_distributed(errors_worker, 2, timeout=180, lightning=True)
+    assert results[0] == results[1] or all(r.keys() == results[0].keys() for r in results)
+    for r in results:
+        assert "no attribute 'trunk'" in r["missing"] and "'backbone'" in r["missing"], r["missing"]
+        assert r["not_sequential"].startswith("TypeError") and "ModuleList" in r["not_sequential"]
+        assert "pipeline_parallel_size=3" in r["k_does_not_divide"] and "world size 2" in r["k_does_not_divide"]
+        assert "sums to 9" in r["balance"] and "8 layers" in r["balance"], r["balance"]
+        assert "LBFGS" in r["lbfgs"] and "closure" in r["lbfgs"], r["lbfgs"]
+        assert "did not call self.backbone" in r["never_called"], r["never_called"]
+
+
+@pytest.mark.timeout(120)
+def test_backbone_called_twice() -> None:
+    for message in run_distributed(twice_worker, 2, timeout=100, lightning=True):
+        assert "PipelineError" in message and "called twice" in message, message
