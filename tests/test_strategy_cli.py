@@ -1,0 +1,52 @@
+"""LightningCLI: the strategy from YAML (class_path + init_args), --print_config, and command-line overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "cli_fit.py"
+CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 2
+  max_steps: 2
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  strategy:
+    class_path: lightning_gpipe.GPipeStrategy
+    init_args:
+      chunks: 2
+      pipeline_parallel_size: 2
+      checkpoint: always
+"""
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=200
+    )
+
+
+@pytest.mark.timeout(240)
+def test_yaml_config_and_overrides(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    printed = _cli("fit", "--config", "config.yaml", "--print_config", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    for expected in ("lightning_gpipe.GPipeStrategy", "chunks: 2", "checkpoint: always", "balance: parameters"):
+        assert expected in printed.stdout, printed.stdout
+    report = tmp_path / "report"
+    run = _cli(
+        "fit", "--config", "config.yaml", "--trainer.strategy.chunks", "3", "--model.report", str(report), cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    facts = [json.loads(Path(f"{report}.{rank}").read_text()) for rank in range(2)]
+    assert sorted(f["stage"] for f in facts) == [0, 1]
+    assert all(f["chunks"] == 3 and f["K"] == 2 for f in facts), facts
