@@ -228,6 +228,13 @@ class GPipeStrategy(ParallelStrategy):
                 "GPipeStrategy cannot pipeline a torch.compile'd LightningModule: compile inside "
                 "configure_model() instead"
             )
+        if self._layer_sync is not None:
+            # Refused rather than ignored: replicas would silently normalize with their own statistics.
+            raise ValueError(
+                "GPipeStrategy does not support Trainer(sync_batchnorm=True) yet: its deferred BatchNorm does not "
+                "synchronize statistics across data-parallel replicas; drop sync_batchnorm (each replica then "
+                "normalizes over its own micro-batches)"
+            )
         parent, name, backbone = self._find_backbone(self.lightning_module)
         if isinstance(backbone, PipelineStage):  # setup() runs again for validate/test after fit
             self._stage = backbone

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from launch import run_distributed
 
 
-def _fit(module, **strategy_kwargs) -> str:
+def _fit(module, sync_batchnorm: bool = False, **strategy_kwargs) -> str:
     import lightning.pytorch as pl
 
     from lightning_gpipe.strategy import GPipeStrategy
@@ -25,6 +25,7 @@ def _fit(module, **strategy_kwargs) -> str:
         devices=2,
         strategy=GPipeStrategy(**{"chunks": 2, **strategy_kwargs}),
         max_steps=2,
+        sync_batchnorm=sync_batchnorm,
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
@@ -73,6 +74,7 @@ def errors_worker(rank: int, world_size: int) -> dict[str, str]:
         "k_does_not_divide": _fit(lightning_module(), pipeline_parallel_size=3),
         "balance": _fit(lightning_module(), balance=[4, 5]),
         "lbfgs": _fit(_lbfgs(lightning_module())),
+        "sync_batchnorm": _fit(lightning_module(), sync_batchnorm=True),
     }
     # Last: these fail inside a step, after which the pipeline is not reused.
     out["never_called"] = _fit(_with_step(_never))
@@ -95,6 +97,7 @@ def test_bad_input_fails_clearly_on_every_rank() -> None:
         assert "sums to 9" in r["balance"] and "8 layers" in r["balance"], r["balance"]
         assert "LBFGS" in r["lbfgs"] and "closure" in r["lbfgs"], r["lbfgs"]
         assert "did not call self.backbone" in r["never_called"], r["never_called"]
+        assert "sync_batchnorm" in r["sync_batchnorm"] and "not support" in r["sync_batchnorm"], r["sync_batchnorm"]
 
 
 @pytest.mark.timeout(120)
