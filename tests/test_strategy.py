@@ -25,24 +25,26 @@ def dataset() -> TensorDataset:
 class Net(nn.Module):
     """An embedding-like layer before the backbone and a head after it: both replicated on every stage."""
 
-    def __init__(self) -> None:
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         torch.manual_seed(1234)
         self.prefix = nn.Linear(models.D, models.D)
         self.backbone = models.mlp()
         self.head = nn.Linear(models.D, models.D)
+        if tied:  # as a tied input embedding and output projection: used on the first and on the last stage
+            self.head.weight = self.prefix.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(self.prefix(x)))
 
 
-def lightning_module(momentum: float = 0.0):
+def lightning_module(momentum: float = 0.0, tied: bool = False):
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            net = Net()  # the same names and initial weights as the reference
+            net = Net(tied)  # the same names and initial weights as the reference
             self.prefix, self.backbone, self.head = net.prefix, net.backbone, net.head
 
         def training_step(self, batch, batch_idx):
@@ -57,9 +59,9 @@ def lightning_module(momentum: float = 0.0):
     return Module()
 
 
-def reference(dp: int, clip: float | None) -> dict[str, torch.Tensor]:
+def reference(dp: int, clip: float | None, tied: bool = False) -> dict[str, torch.Tensor]:
     """Plain torch; each step averages the gradients of the dp replicas' batches (DistributedSampler shards)."""
-    net = Net()
+    net = Net(tied)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     x_all, y_all = dataset().tensors
     # Lightning shuffles a training loader's injected DistributedSampler (seed 0, epoch 0).
@@ -75,13 +77,15 @@ def reference(dp: int, clip: float | None) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in net.named_parameters()}
 
 
-def fit_worker(rank: int, world_size: int, pp: int, chunks: int, clip: float | None) -> dict[str, float]:
+def fit_worker(
+    rank: int, world_size: int, pp: int, chunks: int, clip: float | None, tied: bool = False
+) -> dict[str, float]:
     import lightning.pytorch as pl
 
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")
-    module = lightning_module()
+    module = lightning_module(tied=tied)
     strategy = GPipeStrategy(chunks=chunks, pipeline_parallel_size=pp, backbone="backbone")
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -95,7 +99,7 @@ def fit_worker(rank: int, world_size: int, pp: int, chunks: int, clip: float | N
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
-    expected = reference(world_size // pp, clip)
+    expected = reference(world_size // pp, clip, tied)
     errors = {}
     for name, p in module.named_parameters():  # this stage's layers, under their global names, and the replicas
         ref = expected[name]
@@ -105,9 +109,13 @@ def fit_worker(rank: int, world_size: int, pp: int, chunks: int, clip: float | N
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world_size", "pp", "chunks", "clip"), [(2, 2, 4, None), (2, 2, 3, 0.05), (4, 2, 4, 0.05)])
-def test_fit_equals_plain_training(world_size: int, pp: int, chunks: int, clip: float | None) -> None:
-    results = run_distributed(fit_worker, world_size, pp, chunks, clip, timeout=280, lightning=True)
+@pytest.mark.parametrize(
+    ("world_size", "pp", "chunks", "clip", "tied"),
+    [(2, 2, 4, None, False), (2, 2, 3, 0.05, False), (4, 2, 4, 0.05, False), (2, 2, 4, 0.05, True)],
+)
+def test_fit_equals_plain_training(world_size: int, pp: int, chunks: int, clip: float | None, tied: bool) -> None:
+    """pp = 2; pp = 2 × dp = 2 with different data per replica; clipping; a weight tied across first and last stage."""
+    results = run_distributed(fit_worker, world_size, pp, chunks, clip, tied, timeout=280, lightning=True)
     for rank, r in enumerate(results):
         assert r["max"] <= TOL, (rank, r)
         assert r["checked"] > 4, (rank, r)  # replicated prefix/head plus this stage's layers
