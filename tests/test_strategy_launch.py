@@ -21,6 +21,12 @@ def _run(command: list[str], out: Path) -> list[dict]:
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _check(results: list[dict]) -> None:
     assert sorted(r["stage"] for r in results) == [0, 1]
     for r in results:
@@ -30,10 +36,15 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.timeout(260)
 def test_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "result"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+    ]
     _check(_run([*torchrun, str(SCRIPT), str(out)], out))
 
 
@@ -41,3 +52,45 @@ def test_torchrun(tmp_path: Path) -> None:
 def test_lightning_launcher(tmp_path: Path) -> None:
     out = tmp_path / "result"
     _check(_run([sys.executable, str(SCRIPT), str(out)], out))
+
+
+@pytest.mark.timeout(260)
+def test_two_nodes(tmp_path: Path) -> None:
+    """num_nodes=2, shown on one machine: two torchrun launches, one process each, meeting on 127.0.0.1."""
+    out, port = tmp_path / "result", _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launches = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(SCRIPT),
+                str(out),
+                "2",
+                "1",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=200)[0] for p in launches]
+    finally:
+        for p in launches:
+            p.kill()
+    assert all(p.returncode == 0 for p in launches), "\n".join(log[-3000:] for log in logs)
+    _check([json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)])

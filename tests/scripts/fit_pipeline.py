@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_strategy import BATCH, dataset, lightning_module, reference
 
 
-def main(out: str) -> None:
+def main(out: str, num_nodes: int = 1, devices: int = 2) -> None:
     import lightning.pytorch as pl
 
     from lightning_gpipe import GPipeStrategy
@@ -26,7 +26,8 @@ def main(out: str) -> None:
     module = lightning_module()
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy=GPipeStrategy(chunks=3, timeout=timedelta(seconds=60)),
         max_steps=4,
         enable_checkpointing=False,
@@ -42,4 +43,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:]))
