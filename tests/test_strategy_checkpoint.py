@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_strategy import BATCH, dataset, lightning_module
 from torch.utils.data import DataLoader
 
 from launch import run_distributed
+from test_strategy import BATCH, dataset, lightning_module
 
 TOL = 1e-6
 

@@ -8,11 +8,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_strategy import BATCH, dataset, lightning_module
 from torch import nn
 from torch.utils.data import DataLoader
 
 from launch import run_distributed
+from test_strategy import BATCH, dataset, lightning_module
 
 
 def _fit(module, sync_batchnorm: bool = False, **strategy_kwargs) -> str:

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_strategy import BATCH, LR, Net, dataset
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -29,6 +28,7 @@ from lightning_gpipe.pipe import micro_batch_sizes
 
 import models
 from launch import run_distributed
+from test_strategy import BATCH, LR, Net, dataset
 
 TOL = 1e-6
 PP = 2

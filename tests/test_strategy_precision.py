@@ -6,11 +6,11 @@ import warnings
 
 import pytest
 import torch
-from test_strategy import BATCH, dataset, lightning_module
 from torch import nn
 from torch.utils.data import DataLoader
 
 from launch import run_distributed
+from test_strategy import BATCH, dataset, lightning_module
 
 INF_STEP = 2
 
