@@ -34,8 +34,13 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from lightning_gpipe import checkpointing
 from lightning_gpipe.pipe import PipelineStage
 from lightning_gpipe.pipe.grads import BucketedAllReduce, clip_grad_norm_, sum_over_pipeline
-from lightning_gpipe.pipe.microbatch import tensors
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
+from lightning_gpipe.validation import (
+    check_same_batch,
+    find_backbone,
+    reject_closure_replaying_optimizers,
+    reject_unsupported,
+)
 
 Checkpoint = Literal["always", "except_last", "never"]
 
@@ -196,46 +201,11 @@ class GPipeStrategy(ParallelStrategy):
         return mine
 
     # ----------------------------------------------------------------------------------------------------- setup
-    def _find_backbone(self, module: pl.LightningModule) -> tuple[nn.Module, str, nn.Module]:
-        *parents, name = self.backbone.split(".")
-        parent: nn.Module = module
-        for attr in parents:
-            parent = getattr(parent, attr, None)
-            if parent is None:
-                break
-        found = getattr(parent, name, None) if parent is not None else None
-        if found is None:
-            sequential = [n for n, m in module.named_modules() if isinstance(m, nn.Sequential) and n]
-            # Only the outermost ones: layers inside a Sequential are not candidates for a backbone.
-            candidates = [n for n in sequential if not any(n.startswith(f"{o}.") for o in sequential)]
-            raise AttributeError(
-                f"GPipeStrategy(backbone={self.backbone!r}): {type(module).__name__} has no attribute "
-                f"{self.backbone!r}. nn.Sequential attributes found: {candidates or 'none'}; pass one of them as "
-                "GPipeStrategy(backbone=...)"
-            )
-        if not isinstance(found, nn.Sequential | PipelineStage):
-            raise TypeError(
-                f"GPipeStrategy(backbone={self.backbone!r}) is a {type(found).__name__}, not an nn.Sequential: "
-                "express the part to pipeline as an nn.Sequential of layers"
-            )
-        return parent, name, found
-
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        if type(self.lightning_module).__name__ == "OptimizedModule":
-            raise TypeError(
-                "GPipeStrategy cannot pipeline a torch.compile'd LightningModule: compile inside "
-                "configure_model() instead"
-            )
-        if self._layer_sync is not None:
-            # Refused rather than ignored: replicas would silently normalize with their own statistics.
-            raise ValueError(
-                "GPipeStrategy does not support Trainer(sync_batchnorm=True) yet: its deferred BatchNorm does not "
-                "synchronize statistics across data-parallel replicas; drop sync_batchnorm (each replica then "
-                "normalizes over its own micro-batches)"
-            )
-        parent, name, backbone = self._find_backbone(self.lightning_module)
+        reject_unsupported(self.lightning_module, sync_batchnorm=self._layer_sync is not None)
+        parent, name, backbone = find_backbone(self.lightning_module, self.backbone)
         if isinstance(backbone, PipelineStage):  # setup() runs again for validate/test after fit
             self._stage = backbone
         else:
@@ -265,7 +235,7 @@ class GPipeStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._reject_closure_replaying_optimizers()
+            reject_closure_replaying_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -289,15 +259,6 @@ class GPipeStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
 
-    def _reject_closure_replaying_optimizers(self) -> None:
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, torch.optim.LBFGS):
-                raise TypeError(
-                    "GPipeStrategy cannot run LBFGS: it re-evaluates the closure a data-dependent number of times, "
-                    "and every evaluation is a pipeline step all stages must take together; use a first-order "
-                    "optimizer"
-                )
-
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -306,27 +267,8 @@ class GPipeStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
         with self._abort_on_error():
-            self._check_same_batch(args[0] if args else kwargs.get("batch"))
+            check_same_batch(args[0] if args else kwargs.get("batch"), self.pipeline_parallel_size, self._header_group)
             return super().training_step(*args, **kwargs)
-
-    def _check_same_batch(self, batch: Any) -> None:
-        """Every stage of a pipeline must see the same batch; a checksum catches per-rank augmentation early."""
-        if self.pipeline_parallel_size == 1:
-            return
-        leaves = tensors(batch)
-        signature = torch.tensor(
-            [sum(float(t.detach().double().sum()) for t in leaves), sum(t.numel() for t in leaves)], dtype=torch.float64
-        )
-        gathered = [torch.empty_like(signature) for _ in range(self.pipeline_parallel_size)]
-        dist.all_gather(gathered, signature, group=self._header_group)
-        differ = [k for k, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
-        if differ:
-            raise RuntimeError(
-                f"stage(s) {differ} of this pipeline got a different batch than stage 0: every stage of a pipeline "
-                "must load the same batch. Random augmentation seeded by the global rank (seed_everything("
-                "workers=True)) or a custom sampler sharding over all ranks causes this; seed per data-parallel "
-                "replica, or shard over data_parallel_size (GPipeStrategy.distributed_sampler_kwargs)"
-            )
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._abort_on_error():
