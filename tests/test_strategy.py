@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,25 +39,27 @@ class Net(nn.Module):
         return self.head(self.backbone(self.prefix(x)))
 
 
-def lightning_module(momentum: float = 0.0, tied: bool = False):
-    import lightning.pytorch as pl
+class TinyPipelined(pl.LightningModule):
+    """The LightningModule of the strategy tests (and of the CLI test's entry point)."""
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            net = Net(tied)  # the same names and initial weights as the reference
-            self.prefix, self.backbone, self.head = net.prefix, net.backbone, net.head
+    def __init__(self, lr: float = LR, momentum: float = 0.0, tied: bool = False) -> None:
+        super().__init__()
+        net = Net(tied)  # the same names and initial weights as the reference
+        self.prefix, self.backbone, self.head = net.prefix, net.backbone, net.head
+        self.lr, self.momentum = lr, momentum
 
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = F.mse_loss(self.head(self.backbone(self.prefix(x))), y)
-            self.log("train_loss", loss)
-            return loss
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.head(self.backbone(self.prefix(x))), y)
+        self.log("train_loss", loss)
+        return loss
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=LR, momentum=momentum)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
-    return Module()
+
+def lightning_module(momentum: float = 0.0, tied: bool = False) -> TinyPipelined:
+    return TinyPipelined(momentum=momentum, tied=tied)
 
 
 def reference(dp: int, clip: float | None, tied: bool = False) -> dict[str, torch.Tensor]:

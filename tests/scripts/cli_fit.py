@@ -6,32 +6,20 @@ import json
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
-import torch
-import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from test_strategy import BATCH, Net, dataset
+from test_strategy import BATCH, TinyPipelined, dataset
 
 
-class TinyPipelined(pl.LightningModule):
+class ReportingTiny(TinyPipelined):
+    """Writes what the strategy was configured with, so the test can check the YAML and the overrides."""
+
     def __init__(self, lr: float = 0.1, report: str = "") -> None:
-        super().__init__()
-        net = Net()
-        self.prefix, self.backbone, self.head = net.prefix, net.backbone, net.head
-        self.lr, self.report = lr, report
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.head(self.backbone(self.prefix(x))), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        super().__init__(lr=lr)
+        self.report = report
 
     def train_dataloader(self):
         return DataLoader(dataset(), batch_size=BATCH)
@@ -44,4 +32,4 @@ class TinyPipelined(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    LightningCLI(TinyPipelined, save_config_callback=None)
+    LightningCLI(ReportingTiny, save_config_callback=None)
