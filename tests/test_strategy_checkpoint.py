@@ -103,3 +103,73 @@ def test_resume_into_another_layout(tmp_path: Path, distributed: bool) -> None:
         subprocess.run([*tool, str(tmp_path / "pp2.ckpt"), "--output_file", str(consolidated)], check=True)
         plain = lightning_module()
         plain.load_state_dict(torch.load(consolidated, weights_only=False)["state_dict"], strict=True)
+
+
+def _trainer_with_checkpoints(folder: str, world_size: int, callbacks: list):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    checkpoint = ModelCheckpoint(
+        dirpath=folder, monitor="train_loss", save_top_k=2, save_last=True, every_n_train_steps=1
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=GPipeStrategy(chunks=3),
+        max_steps=6,
+        callbacks=[checkpoint, *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return trainer, checkpoint
+
+
+def callback_worker(rank: int, world_size: int, folder: str) -> dict[str, object]:
+    import lightning.pytorch as pl
+
+    warnings.simplefilter("ignore")
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer, checkpoint = _trainer_with_checkpoints(folder, world_size, [Record()])
+    module = lightning_module()
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    kept = sorted(p.name for p in Path(folder).iterdir())
+    # ckpt_path="last" finds the callback's last checkpoint and restores this stage's part of it.
+    again, _ = _trainer_with_checkpoints(folder, world_size, [])
+    restored = lightning_module()
+    again.fit(restored, DataLoader(dataset(), batch_size=BATCH), ckpt_path="last")
+    final = dict(module.named_parameters())
+    err = max((p - final[n]).abs().max().item() for n, p in restored.named_parameters())
+    return {
+        "losses": losses,
+        "kept": kept,
+        "best": Path(checkpoint.best_model_path).name,
+        "best_score": float(checkpoint.best_model_score),
+        "last_err": err,
+        "last_step": again.global_step,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_model_checkpoint_top_k_and_resume_from_last(tmp_path: Path) -> None:
+    results = run_distributed(callback_worker, 2, str(tmp_path), timeout=280, lightning=True)
+    r = results[0]
+    assert results[0]["kept"] == results[1]["kept"] and results[0]["best"] == results[1]["best"]
+    losses = r["losses"]
+    best_two = sorted(range(len(losses)), key=losses.__getitem__)[:2]
+    assert r["best_score"] == pytest.approx(min(losses), rel=1e-6)
+    assert r["best"] == f"epoch=0-step={best_two[0] + 1}.ckpt", (r, losses)
+    step_folders = sorted(k for k in r["kept"] if k.startswith("epoch="))
+    assert step_folders == sorted(f"epoch=0-step={s + 1}.ckpt" for s in best_two), (r, losses)
+    assert "last.ckpt" in r["kept"]
+    for name in r["kept"]:
+        assert (tmp_path / name / "meta.pt").is_file()  # every kept checkpoint is a complete DCP folder
+    for result in results:
+        assert result["last_step"] == 6 and result["last_err"] == 0.0, result
