@@ -66,9 +66,9 @@ def check_same_batch(batch: Any, K: int, group: Any) -> None:
     if K == 1:
         return
     leaves = tensors(batch)
-    signature = torch.tensor(
-        [sum(float(t.detach().double().sum()) for t in leaves), sum(t.numel() for t in leaves)], dtype=torch.float64
-    )
+    # One host transfer per step, not one per tensor: the sums stay on the device until they are stacked.
+    total = torch.stack([t.detach().double().sum() for t in leaves]).sum().cpu() if leaves else torch.zeros(())
+    signature = torch.stack([total.double(), torch.tensor(float(sum(t.numel() for t in leaves)), dtype=torch.float64)])
     gathered = [torch.empty_like(signature) for _ in range(K)]
     dist.all_gather(gathered, signature, group=group)
     differ = [k for k, g in enumerate(gathered) if not torch.equal(g, gathered[0])]

@@ -394,11 +394,9 @@ class PipelineStage(nn.Module):
 
     def _output_grads(self, step: _Step, grad_output: Any) -> list[list[torch.Tensor]]:
         leaves = tensors(step.output)
-        if grad_output is not None:
-            grads = tensors(grad_output)
-        else:
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
-        grads = [g for t, g in zip(leaves, grads) if t.requires_grad]
+        given = tensors(grad_output) if grad_output is not None else [t.grad for t in leaves]
+        # Zeros only for outputs that need a gradient and did not get one (unused by the loss).
+        grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(leaves, given) if t.requires_grad]
         return [list(g) for g in split_by_sizes(grads, step.sizes)]
 
     def _evaluate(self, input: Any) -> Any:
