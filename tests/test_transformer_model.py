@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -13,10 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_gpipe.materialize import materialize
 from lightning_gpipe.models.transformer import (
     _causal_mask,
     _key_mask,
-    greedy_decode,
     transformer_nmt,
     transformer_nmt_num_parameters,
 )
@@ -220,18 +221,45 @@ def test_sequence_lengths_change_between_calls() -> None:
         model(torch.ones(1, 3, dtype=torch.long))
 
 
-def test_ffn_init_scales_down_with_depth() -> None:
-    def w_std(L: int, scale: bool, w: str) -> float:
-        torch.manual_seed(0)
-        model = transformer_nmt(L, 256, 4, d_model=64, vocab_size=V, scale_ffn_init=scale)
-        return torch.cat([getattr(m.ffn, w).weight.flatten() for m in model if hasattr(m, "ffn")]).std().item()
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("meta", [False, True], ids=["built", "meta+materialize"])
+@pytest.mark.parametrize(("L", "scale", "tie"), [(2, True, False), (8, True, True), (2, False, True)])
+def test_init_follows_the_recipe(meta: bool, L: int, scale: bool, tie: bool) -> None:
+    """Xavier weights, zero biases, tables of std d^-1/2, w2 / sqrt(2L): built, or on meta and then materialized."""
+    d, H = 64, 256
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = transformer_nmt(L, H, 4, d_model=d, vocab_size=400, tie_embeddings=tie, scale_ffn_init=scale)
+    if meta:
+        n = materialize(model, dict(model.named_modules()), torch.device("cpu"), seed=3)
+        assert n == sum(p.numel() for p in model.parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
 
-    xavier = math.sqrt(2 / (64 + 256))
-    for L in (2, 8):
-        assert w_std(L, False, "w2") == pytest.approx(xavier, rel=0.05)
-        assert w_std(L, True, "w2") == pytest.approx(xavier / math.sqrt(2 * L), rel=0.05)
-        assert w_std(L, True, "w1") == pytest.approx(xavier, rel=0.05)
-    assert w_std(8, True, "w2") < w_std(2, True, "w2")
+    def cat(suffix: str) -> Tensor:
+        return torch.cat([p.flatten() for k, p in params.items() if k.endswith(suffix)])
+
+    def xavier(fan_in: int, fan_out: int, gain: float = 1.0) -> tuple[float, float]:  # (std, bound) of U(-a, a)
+        a = gain * math.sqrt(6 / (fan_in + fan_out))
+        return a / math.sqrt(3), a
+
+    gain = 1 / math.sqrt(2 * L) if scale else 1.0
+    for suffix, (std, bound) in (
+        ("attn.q.weight", xavier(d, d)),
+        ("attn.out.weight", xavier(d, d)),
+        ("ffn.w1.weight", xavier(d, H)),
+        ("ffn.w2.weight", xavier(H, d, gain)),
+    ):
+        w = cat(suffix)
+        assert w.std().item() == pytest.approx(std, rel=0.05), suffix
+        assert bound * 0.99 < w.abs().max().item() <= bound, suffix
+    assert all(not p.any() for k, p in params.items() if k.endswith("bias"))
+    assert all((p == 1).all() for k, p in params.items() if "norm" in k and k.endswith("weight"))
+    for k in ("src_embed.weight", "tgt_embed.weight", "project.weight"):
+        assert params[k].std().item() == pytest.approx(d**-0.5, rel=0.05) and abs(params[k].mean()) < 0.01, k
+    assert (params["src_embed.weight"] is params["project.weight"]) == tie
+    assert not torch.equal(params["enc0.attn.q.weight"], params["enc1.attn.q.weight"])
+    src, tgt_in, _ = batch(2, 5, 4)
+    assert torch.isfinite(model((src, tgt_in))).all()
 
 
 def test_logit_clip_bounds_the_output_and_keeps_gradients() -> None:
@@ -247,50 +275,6 @@ def test_logit_clip_bounds_the_output_and_keeps_gradients() -> None:
     assert (clipped.project.weight.grad.abs().sum(dim=1) > 0).all()  # saturated rows still learn
     with pytest.raises(ValueError, match="logit_clip"):
         tiny(logit_clip=0.0)
-
-
-class Scripted:
-    """A stand-in model: row n says token 3 + n until step eos_at[n], where it says EOS (or never, if None)."""
-
-    def __init__(self, eos_at: list[int | None]) -> None:
-        self.eos_at, self.calls = eos_at, 0
-
-    def __call__(self, x: tuple[Tensor, Tensor]) -> Tensor:
-        src, prefix = x
-        self.calls += 1
-        step = prefix.shape[1] - 1
-        logits = torch.zeros(src.shape[0], prefix.shape[1], V)
-        for n, at in enumerate(self.eos_at):
-            logits[n, -1, EOS if at == step else 3 + n] = 1.0
-        return logits
-
-
-def test_greedy_decode_stops_at_eos_and_pads() -> None:
-    src = torch.ones(3, 4, dtype=torch.long)
-    model = Scripted([1, 3, 0])
-    out = greedy_decode(model, src, BOS, EOS, max_len=10)
-    assert model.calls == 4 and out.shape == (3, 4)
-    assert out.tolist() == [[3, EOS, PAD, PAD], [4, 4, 4, EOS], [EOS, PAD, PAD, PAD]]
-    never = Scripted([None, 2, None])
-    out = greedy_decode(never, src, BOS, EOS, max_len=6)
-    assert never.calls == 6 and out.shape == (3, 6) and out[1].tolist() == [4, 4, EOS, PAD, PAD, PAD]
-
-
-def test_greedy_decode_equals_step_by_step_reference() -> None:
-    model = tiny(seed=3).eval()
-    src, _, _ = batch(4, 7, 2, seed=4)
-    with torch.no_grad():  # the most likely first token of row 0 plays EOS, so some rows end early
-        eos = int(model((src, torch.full((4, 1), BOS)))[0, -1].argmax())
-    out = greedy_decode(model, src, BOS, eos, max_len=8)
-    assert out.shape[1] <= 8 and out[0, 0] == eos
-    for n in range(4):  # each row alone, unpadded, one token at a time
-        s = src[n : n + 1, : int((src[n] != PAD).sum())]
-        gen: list[int] = []
-        with torch.no_grad():
-            while len(gen) < out.shape[1] and eos not in gen:
-                gen.append(int(model((s, torch.tensor([[BOS, *gen]])))[0, -1].argmax()))
-        assert out[n].tolist() == gen + [PAD] * (out.shape[1] - len(gen)), n
-    assert out.shape[1] == 8 or (out == eos).any(dim=1).all()  # stopped early only when every row had ended
 
 
 def test_parameter_count_of_t_6_8192_16() -> None:

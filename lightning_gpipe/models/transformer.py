@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+# Re-exported: greedy_decode lived here before decoding.py existed.
+from lightning_gpipe.models.decoding import greedy_decode
 
 __all__ = [
     "DecoderLayer",
@@ -52,6 +54,26 @@ def _causal_mask(pad: Tensor) -> Tensor:
     return (causal & (~pad[:, None, :] | eye))[:, None]
 
 
+class _XavierLinear(nn.Linear):
+    """nn.Linear initialized Xavier-uniform × ``gain`` with a zero bias, in ``reset_parameters``.
+
+    The init lives in ``reset_parameters`` rather than in a pass over the built model because a model built on the
+    meta device is initialized by calling each module's own ``reset_parameters`` (``lightning_gpipe.materialize``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, gain: float = 1.0) -> None:
+        # Set before nn.Linear.__init__, which already calls reset_parameters.
+        self.gain = gain
+        super().__init__(in_features, out_features)
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.weight, gain=self.gain)
+        nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", gain={self.gain:.4g}" if self.gain != 1.0 else "")
+
+
 class MultiHeadAttention(nn.Module):
     """A heads over d_model; queries from ``x``, keys and values from ``kv``."""
 
@@ -59,10 +81,10 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.dropout = dropout
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.out = nn.Linear(d_model, d_model)
+        self.q = _XavierLinear(d_model, d_model)
+        self.k = _XavierLinear(d_model, d_model)
+        self.v = _XavierLinear(d_model, d_model)
+        self.out = _XavierLinear(d_model, d_model)
 
     def _heads(self, t: Tensor) -> Tensor:
         N, T, d = t.shape
@@ -76,12 +98,22 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Sequential):
-    """d_model → H → d_model with ReLU; ``w2`` is the projection that writes into the residual stream."""
+    """d_model → H → d_model with ReLU; ``w2`` is the projection that writes into the residual stream.
 
-    def __init__(self, d_model: int, ffn_dim: int, dropout: float) -> None:
+    ``w2_gain`` scales w2's initialization: the paper's fix for deep T(L, H, A) is to scale the feed-forward init down
+    with depth, and ``transformer_nmt`` passes 1/sqrt(2L). A pre-norm stream is the sum of its residual branches, 2L of
+    them in the encoder (attention + FFN per layer), so the FFNs' summed contribution to the stream's variance stays
+    O(1) however deep the model is, as GPT-2 does. w1 keeps gain 1: the LayerNorm before it already fixes its input
+    scale, and shrinking both would scale the branch by 1/(2L) rather than 1/sqrt(2L).
+    """
+
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float, w2_gain: float = 1.0) -> None:
         super().__init__(
             OrderedDict(
-                w1=nn.Linear(d_model, ffn_dim), relu=nn.ReLU(), drop=nn.Dropout(dropout), w2=nn.Linear(ffn_dim, d_model)
+                w1=_XavierLinear(d_model, ffn_dim),
+                relu=nn.ReLU(),
+                drop=nn.Dropout(dropout),
+                w2=_XavierLinear(ffn_dim, d_model, gain=w2_gain),
             )
         )
 
@@ -89,12 +121,12 @@ class FeedForward(nn.Sequential):
 class EncoderLayer(nn.Module):
     """Pre-norm encoder layer: x + self-attention(LN(x)), then x + FFN(LN(x)); passes the masks and ids on."""
 
-    def __init__(self, d_model: int, ffn_dim: int, num_heads: int, dropout: float) -> None:
+    def __init__(self, d_model: int, ffn_dim: int, num_heads: int, dropout: float, w2_gain: float = 1.0) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
         self.attn = MultiHeadAttention(d_model, num_heads, dropout)
         self.norm2 = nn.LayerNorm(d_model)
-        self.ffn = FeedForward(d_model, ffn_dim, dropout)
+        self.ffn = FeedForward(d_model, ffn_dim, dropout, w2_gain)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, state: EncoderState) -> EncoderState:
@@ -108,14 +140,14 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: causal self-attention, attention over the encoder's memory, FFN; each residual."""
 
-    def __init__(self, d_model: int, ffn_dim: int, num_heads: int, dropout: float) -> None:
+    def __init__(self, d_model: int, ffn_dim: int, num_heads: int, dropout: float, w2_gain: float = 1.0) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout)
         self.norm2 = nn.LayerNorm(d_model)
         self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout)
         self.norm3 = nn.LayerNorm(d_model)
-        self.ffn = FeedForward(d_model, ffn_dim, dropout)
+        self.ffn = FeedForward(d_model, ffn_dim, dropout, w2_gain)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, state: DecoderState) -> DecoderState:
@@ -127,6 +159,11 @@ class DecoderLayer(nn.Module):
         return y, memory, src_pad, tgt_pad
 
 
+def _init_table(weight: Tensor) -> None:
+    # std d^-1/2: embeddings × sqrt(d) have unit scale, and logits of a LayerNorm'd y have unit scale too.
+    nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+
+
 class _Embedding(nn.Module):
     """Token embedding × sqrt(d_model) + sinusoidal positions, then dropout; ``weight`` may be shared (tied)."""
 
@@ -136,6 +173,11 @@ class _Embedding(nn.Module):
         self.pad_id = pad_id
         self.max_len = max_len
         self.drop = nn.Dropout(dropout)
+
+    def reset_parameters(self) -> None:
+        # A tied table is reset by each of its holders, each time with the same distribution; materialize() keeps the
+        # tie, so the holders end up sharing whichever draw came last.
+        _init_table(self.weight)
 
     def embed(self, ids: Tensor, which: str) -> Tensor:
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
@@ -196,6 +238,9 @@ class Projection(nn.Module):
         self.weight = weight
         self.logit_clip = logit_clip
 
+    def reset_parameters(self) -> None:
+        _init_table(self.weight)
+
     def forward(self, y: Tensor) -> Tensor:
         logits = F.linear(y, self.weight)
         if self.logit_clip is None:
@@ -204,25 +249,6 @@ class Projection(nn.Module):
         # exactly zero, so a confidently wrong logit can still be pulled back (a hard clamp would freeze it).
         c = self.logit_clip
         return c * torch.tanh(logits / c)
-
-
-def _init_weights(model: nn.Module, num_layers: int, scale_ffn_init: bool) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            nn.init.zeros_(module.bias)
-    if not scale_ffn_init:
-        return
-    # The paper's fix for deep T(L, H, A): scale down the feed-forward initialization with depth. We divide the init
-    # of w2 (the FFN matrix that writes into the residual stream) by sqrt(2L): a pre-norm stream is the sum of its
-    # residual branches, 2L of them in the encoder (attention + FFN per layer), so the FFNs' summed contribution to the
-    # stream's variance stays O(1) however deep the model is, as GPT-2 does. w1 is left alone: the LayerNorm before it
-    # already fixes its input scale, and shrinking both would scale the branch by 1/(2L) rather than 1/sqrt(2L).
-    scale = 1.0 / math.sqrt(2 * num_layers)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, FeedForward):
-                module.w2.weight.mul_(scale)
 
 
 def transformer_nmt(
@@ -246,7 +272,7 @@ def transformer_nmt(
 
     Args:
         tie_embeddings: source embedding, target embedding and output projection share one ``nn.Parameter``.
-        scale_ffn_init: divide the FFN output matrices' initialization by sqrt(2L) (see ``_init_weights``).
+        scale_ffn_init: divide the FFN output matrices' initialization by sqrt(2L) (see ``FeedForward``).
         logit_clip: if set to c, logits are soft-clipped to [-c, c] by c·tanh(logits / c).
         max_len: the longest source or target sequence accepted.
     """
@@ -261,8 +287,12 @@ def transformer_nmt(
         raise ValueError(f"logit_clip must be > 0 (or None to disable clipping), got {logit_clip}")
 
     def table() -> nn.Parameter:
-        # std d^-1/2: embeddings × sqrt(d) have unit scale, and logits of a LayerNorm'd y have unit scale too.
-        return nn.Parameter(torch.randn(vocab_size, d_model) * d_model**-0.5)
+        # Drawn here once per distinct table, not in each holder's __init__: a tied table would be drawn three times.
+        w = nn.Parameter(torch.empty(vocab_size, d_model))
+        _init_table(w)
+        return w
+
+    w2_gain = 1.0 / math.sqrt(2 * num_layers) if scale_ffn_init else 1.0
 
     src_w = table()
     tgt_w = src_w if tie_embeddings else table()
@@ -270,16 +300,14 @@ def transformer_nmt(
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     layers["src_embed"] = SourceEmbedding(src_w, pad_id, dropout, max_len)
     for i in range(num_layers):
-        layers[f"enc{i}"] = EncoderLayer(d_model, ffn_dim, num_heads, dropout)
+        layers[f"enc{i}"] = EncoderLayer(d_model, ffn_dim, num_heads, dropout, w2_gain)
     layers["enc_norm"] = EncoderNorm(d_model)
     layers["tgt_embed"] = TargetEmbedding(tgt_w, pad_id, dropout, max_len)
     for i in range(num_layers):
-        layers[f"dec{i}"] = DecoderLayer(d_model, ffn_dim, num_heads, dropout)
+        layers[f"dec{i}"] = DecoderLayer(d_model, ffn_dim, num_heads, dropout, w2_gain)
     layers["dec_norm"] = DecoderNorm(d_model)
     layers["project"] = Projection(out_w, logit_clip)
-    model = nn.Sequential(layers)
-    _init_weights(model, num_layers, scale_ffn_init)
-    return model
+    return nn.Sequential(layers)
 
 
 def transformer_nmt_num_parameters(
@@ -293,34 +321,3 @@ def transformer_nmt_num_parameters(
     """
     d, H, V = d_model, ffn_dim, vocab_size
     return num_layers * (12 * d * d + 4 * d * H + 2 * H + 24 * d) + 4 * d + (1 if tie_embeddings else 3) * V * d
-
-
-def greedy_decode(
-    model: Callable[[tuple[Tensor, Tensor]], Tensor],
-    src_ids: Tensor,
-    bos_id: int,
-    eos_id: int,
-    max_len: int,
-    pad_id: int = 0,
-) -> Tensor:
-    """Greedy translation, re-running ``model((src_ids, prefix))`` on the whole prefix each step (no KV cache).
-
-    ``model`` is any callable from the pair ``(src_ids, prefix)`` to logits ``[N, t, vocab]`` (the Sequential, or a
-    pipelined forward); put it in eval mode first. Returns the generated ids ``[N, ≤ max_len]`` without the BOS; it
-    stops once every row has produced ``eos_id``, and rows that finished earlier are padded with ``pad_id`` after it.
-    """
-    if max_len < 1:
-        raise ValueError(f"max_len must be ≥ 1, got {max_len}")
-    N = src_ids.shape[0]
-    prefix = torch.full((N, 1), bos_id, dtype=torch.long, device=src_ids.device)
-    done = torch.zeros(N, dtype=torch.bool, device=src_ids.device)
-    with torch.no_grad():
-        for _ in range(max_len):
-            logits = model((src_ids, prefix))
-            nxt = logits[:, -1].argmax(dim=-1)
-            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-            prefix = torch.cat([prefix, nxt[:, None]], dim=1)
-            done |= nxt == eos_id
-            if bool(done.all()):
-                break
-    return prefix[:, 1:]
