@@ -82,6 +82,40 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool) -> dict[s
     return rest
 
 
+def load_weights(path: Path, model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy the weights this rank holds from either kind of checkpoint, except keys starting with ``skip``.
+
+    For fine-tuning from another run: the optimizer, loops and callbacks start afresh, and the skipped modules (a
+    classifier sized for other classes) keep their new initialization. Returns the keys loaded.
+    """
+    wanted = {k: v for k, v in get_model_state_dict(model).items() if not k.startswith(skip)}
+    if is_sharded(path):
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        shapes = {k.removeprefix("state_dict."): tuple(m.size) for k, m in stored.items() if hasattr(m, "size")}
+        full = None
+    elif path.is_file():
+        full = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        shapes = {k: tuple(v.shape) for k, v in full.items() if isinstance(v, torch.Tensor)}
+    else:
+        raise FileNotFoundError(f"no checkpoint at {str(path)!r} (a Lightning .ckpt file or a sharded folder)")
+    missing = sorted(k for k in wanted if k not in shapes)
+    differ = sorted(k for k in wanted if k in shapes and shapes[k] != tuple(wanted[k].shape))
+    if missing or differ:
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit this model: {len(missing)} missing keys {missing[:4]}, "
+            f"{len(differ)} of other shapes {[(k, shapes[k], tuple(wanted[k].shape)) for k in differ[:4]]}; build the "
+            f"model with the checkpoint's architecture (skipped: {list(skip)})"
+        )
+    if full is None:
+        loaded = {"state_dict": {k: v.detach().clone() for k, v in wanted.items()}}
+        dcp.load(loaded, checkpoint_id=path)
+        state = loaded["state_dict"]
+    else:
+        state = {k: full[k] for k in wanted}
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    return sorted(state)
+
+
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()

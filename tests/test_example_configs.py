@@ -1,0 +1,57 @@
+"""Every YAML in examples/configs parses with its example's LightningCLI; the CPU ones train with fast_dev_run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+SCRIPTS = {"amoebanet": ROOT / "examples" / "amoebanet.py", "nmt": ROOT / "examples" / "nmt.py"}
+
+
+def script_for(config: Path) -> Path:
+    return next(script for prefix, script in SCRIPTS.items() if config.name.startswith(prefix))
+
+
+def cli(config: Path, *args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script_for(config)), "fit", "--config", str(config), *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_config_has_an_example() -> None:
+    assert any(c.name.startswith("amoebanet") for c in CONFIGS)
+    for config in CONFIGS:
+        assert script_for(config).is_file(), config.name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_config_parses(config: Path, tmp_path: Path) -> None:
+    run = cli(config, "--print_config", cwd=tmp_path, timeout=100)
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = yaml.safe_load(run.stdout)
+    written = yaml.safe_load(config.read_text())
+    for section in ("model", "data"):
+        for key, value in written.get(section, {}).items():
+            assert printed[section][key] == value, (section, key)
+    assert printed["trainer"]["strategy"]["class_path"] == "lightning_gpipe.GPipeStrategy"
+
+
+CPU_CONFIGS = [c for c in CONFIGS if yaml.safe_load(c.read_text())["trainer"].get("accelerator") == "cpu"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda c: c.stem)
+def test_cpu_config_runs_fast_dev_run(config: Path, tmp_path: Path) -> None:
+    run = cli(
+        config, "--trainer.fast_dev_run", "true", "--trainer.enable_progress_bar", "false", cwd=tmp_path, timeout=280
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "fast_dev_run" in run.stdout + run.stderr
