@@ -102,12 +102,13 @@ class PipelineStage(nn.Module):
         self._balance = agree_on_balance(
             module, self._K, balance, sample=sample, group=header_group if distributed else None
         )
-        # Tied weights used on several stages: their gradients must be summed over the stages that hold them.
-        self.shared: list[tuple[str, tuple[int, ...], nn.Parameter | None]] = [
-            (name, stages, module.get_parameter(name) if self._k in stages else None)
+        layers = stage_layers(module, self._balance, self._k)
+        # Tied weights used on several stages: (first name, stages, the name of one of its uses on this stage).
+        self._shared: list[tuple[str, tuple[int, ...], str | None]] = [
+            (name, stages, _local_name(layers, module.get_parameter(name)) if self._k in stages else None)
             for name, stages in shared_parameters(module, self._balance)
         ]
-        for name, layer in stage_layers(module, self._balance, self._k):
+        for name, layer in layers:
             self.add_module(name, convert_deferred_batch_norm(layer) if deferred_batch_norm else layer)
         self._transport = (
             Transport(group, device=self._device, timeout=timedelta(seconds=timeout), header_group=header_group)
@@ -120,6 +121,15 @@ class PipelineStage(nn.Module):
         self._broken: PipelineError | None = None
 
     # ----------------------------------------------------------------------------------------------- properties
+    @property
+    def shared(self) -> list[tuple[str, tuple[int, ...], nn.Parameter | None]]:
+        """Weights tied across stages, whose gradients must be summed over the stages that hold them: (name in the
+        whole model, stages holding it, this stage's copy or None). Looked up now, as materializing a model built on
+        the meta device replaces its parameters."""
+        return [
+            (name, stages, None if local is None else self.get_parameter(local)) for name, stages, local in self._shared
+        ]
+
     @property
     def stage(self) -> int:
         return self._k
@@ -416,3 +426,12 @@ class PipelineStage(nn.Module):
         if self._transport is not None:
             self._transport.wait_sends()
         return output
+
+
+def _local_name(layers: list[tuple[str, nn.Module]], param: nn.Parameter) -> str:
+    return next(
+        f"{layer_name}.{name}"
+        for layer_name, layer in layers
+        for name, p in layer.named_parameters(remove_duplicate=False)
+        if p is param
+    )
