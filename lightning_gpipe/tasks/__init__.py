@@ -1,5 +1,6 @@
 """LightningModules of the examples: AmoebaNet-D image classification and Transformer translation."""
 
 from lightning_gpipe.tasks.image_classifier import ImageClassifier
+from lightning_gpipe.tasks.translator import Translator
 
-__all__ = ["ImageClassifier"]
+__all__ = ["ImageClassifier", "Translator"]
