@@ -17,7 +17,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -36,6 +35,8 @@ from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
 from lightning_gpipe.step_results import take_from_last_stage
 from lightning_gpipe.strategy_checkpoints import CheckpointHooks
 from lightning_gpipe.strategy_collectives import Collectives
+from lightning_gpipe.strategy_predict import PredictHooks
+from lightning_gpipe.strategy_trace import TraceHooks, check_trace_args
 from lightning_gpipe.validation import (
     check_same_batch,
     find_backbone,
@@ -46,7 +47,7 @@ from lightning_gpipe.validation import (
 Checkpoint = Literal["always", "except_last", "never"]
 
 
-class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
+class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, Collectives, ParallelStrategy):
     """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
 
     The backbone (``backbone``, a dotted attribute path) is split into K = ``pipeline_parallel_size`` stages, one
@@ -56,6 +57,8 @@ class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     ``backward`` drains the pipeline and reduces the gradients. With ``output="loss"`` (for large-vocabulary heads)
     the output stays on the last stage: the others compute on zeros of its shape, and the step's returned values,
     everything it logged and the module's torchmetrics states are then copied from the last stage.
+    ``trace_dir`` writes the training steps ``trace_steps`` (optimizer-step indices) as a Chrome trace and a Gantt
+    chart of every stage, with the measured bubble beside (K−1)/(M+K−1).
     """
 
     strategy_name = "gpipe"
@@ -73,6 +76,8 @@ class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         bucket_size_mb: float = 25.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        trace_dir: str | None = None,
+        trace_steps: int | list[int] = 5,
     ) -> None:
         super().__init__()
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
@@ -87,6 +92,8 @@ class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {list(CHECKPOINT_MODES)}")
         if output not in ("all", "loss"):
             raise ValueError(f"GPipeStrategy(output={output!r}): choose 'all' or 'loss'")
+        self.trace_steps = check_trace_args(trace_dir, trace_steps)
+        self.trace_dir = trace_dir
         self.chunks = chunks
         self.output = output
         self.backbone = backbone
@@ -104,7 +111,6 @@ class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self._header_group: Any = None
         self._stage: PipelineStage | None = None
         self._copies: WeightCopies | None = None
-        self._muted_writers: list[BasePredictionWriter] = []
         self._dp_reduce: BucketedAllReduce | None = None
         self._sync_blocked = False
         self.num_nodes = 1
@@ -310,6 +316,7 @@ class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     # ------------------------------------------------------------------------------------------- training step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
+        self._trace_begin()
         with self._abort_on_error():
             check_same_batch(args[0] if args else kwargs.get("batch"), self.pipeline_parallel_size, self._header_group)
             return self._from_last_stage(super().training_step(*args, **kwargs))
@@ -335,26 +342,6 @@ class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._abort_on_error():
             return super().predict_step(*args, **kwargs)
-
-    def on_predict_start(self) -> None:
-        """Predictions are returned and written once per replica, by its stage 0 (rank 0 with one replica): the other
-        stages computed the same ones, and would otherwise return them again and write duplicate files."""
-        super().on_predict_start()
-        if self.stage.is_first:
-            return
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        trainer.predict_loop._return_predictions = False
-        for writer in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(writer, BasePredictionWriter):
-                writer.write_on_batch_end = writer.write_on_epoch_end = _skip  # type: ignore[method-assign]
-                self._muted_writers.append(writer)
-
-    def on_predict_end(self) -> None:
-        for writer in self._muted_writers:
-            del writer.write_on_batch_end, writer.write_on_epoch_end  # back to the class's methods
-        self._muted_writers = []
-        super().on_predict_end()
 
     @contextmanager
     def _abort_on_error(self) -> Generator[None, None, None]:
@@ -385,7 +372,8 @@ class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             self.stage.backward()
         if not self._sync_blocked:
-            self._reduce_gradients()
+            with self.stage.timeline.record("reduce"):
+                self._reduce_gradients()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -415,10 +403,6 @@ class GPipeStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-def _skip(*args: Any, **kwargs: Any) -> None:
-    pass
 
 
 # `Trainer(strategy="gpipe")` once this module is imported (``import lightning_gpipe.strategy`` or

@@ -11,7 +11,8 @@ from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch
 from lightning_gpipe.pipe.partition import Balance, resolve_balance, solve
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.pipe.stage import PipelineStage
-from lightning_gpipe.pipe.trace import Timeline, gather_events, write_chrome_trace
+from lightning_gpipe.pipe.trace import Timeline, gather_events, read_chrome_trace, write_chrome_trace
+from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble
 
 __all__ = [
     "Balance",
@@ -21,15 +22,18 @@ __all__ = [
     "PipelineStage",
     "PipelineTimeout",
     "Timeline",
+    "breakdown",
     "convert_deferred_batch_norm",
     "gather_events",
     "is_recomputing",
     "join",
     "micro_batch_sizes",
     "micro_batch_weights",
+    "read_chrome_trace",
     "resolve_balance",
     "revert_deferred_batch_norm",
     "solve",
     "split",
+    "theoretical_bubble",
     "write_chrome_trace",
 ]

@@ -9,8 +9,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
-# Event kinds a stage records; "step" spans one whole forward or backward phase.
-KINDS = ("forward", "recompute", "backward", "send", "recv-wait", "send-wait", "step")
+# Event kinds a stage records; "step" spans one whole forward or backward phase. The Lightning strategy adds
+# "reduce" (gradient reductions over replicas and tied weights) and "update" (clipping and the optimizer step).
+KINDS = ("forward", "recompute", "backward", "send", "recv-wait", "send-wait", "step", "reduce", "update")
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,11 @@ class Timeline:
         self.events.clear()
 
 
-def to_chrome_trace(events: Sequence[Event]) -> dict:
-    """One process row per stage, one complete ("X") slice per event, times in microseconds from the first event."""
+def to_chrome_trace(events: Sequence[Event], metadata: dict | None = None) -> dict:
+    """One process row per stage, one complete ("X") slice per event, times in microseconds from the first event;
+    ``metadata`` goes to the trace's ``otherData``."""
     if not events:
-        return {"traceEvents": [], "displayTimeUnit": "ms"}
+        return {"traceEvents": [], "displayTimeUnit": "ms", "otherData": metadata or {}}
     origin = min(e.start_ns for e in events)
     trace = []
     for stage in sorted({e.stage for e in events}):
@@ -73,20 +75,43 @@ def to_chrome_trace(events: Sequence[Event]) -> dict:
                 "args": {"micro_batch": e.micro_batch, "label": e.label},
             }
         )
-    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": metadata or {}}
 
 
-def write_chrome_trace(events: Sequence[Event], path: str | os.PathLike) -> None:
+def write_chrome_trace(events: Sequence[Event], path: str | os.PathLike, metadata: dict | None = None) -> None:
     with open(path, "w") as f:
-        json.dump(to_chrome_trace(events), f)
+        json.dump(to_chrome_trace(events, metadata), f)
 
 
-def gather_events(timeline: Timeline, group=None) -> list[Event]:
-    """Collect every stage's events on every rank of ``group`` (a collective: all ranks must call it)."""
+def read_chrome_trace(path: str | os.PathLike) -> list[Event]:
+    """The events of a trace written by :func:`write_chrome_trace` (times in ns from its first event)."""
+    with open(path) as f:
+        trace = json.load(f)
+    return [
+        Event(
+            e["cat"],
+            e["pid"],
+            e["args"]["micro_batch"],
+            round(e["ts"] * 1e3),
+            round((e["ts"] + e["dur"]) * 1e3),
+            e["args"]["label"],
+        )
+        for e in trace["traceEvents"]
+        if e["ph"] == "X"
+    ]
+
+
+def gather_events(timeline: Timeline, group=None, origin_ns: int = 0) -> list[Event]:
+    """Collect every stage's events on every rank of ``group`` (a collective: all ranks must call it).
+
+    ``origin_ns`` is subtracted from this rank's times first: give each rank its clock reading at a common moment
+    (just after a barrier) and stages on different hosts line up too.
+    """
     import torch.distributed as dist
 
+    mine = [{**asdict(e), "start_ns": e.start_ns - origin_ns, "end_ns": e.end_ns - origin_ns} for e in timeline.events]
     if not dist.is_initialized():
-        return list(timeline.events)
+        return sorted((Event(**e) for e in mine), key=lambda e: e.start_ns)
     gathered: list[list[dict] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, [asdict(e) for e in timeline.events], group=group)
+    dist.all_gather_object(gathered, mine, group=group)
     return sorted((Event(**e) for part in gathered for e in part or []), key=lambda e: e.start_ns)

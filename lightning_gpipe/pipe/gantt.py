@@ -1,0 +1,79 @@
+"""A traced step as a PNG Gantt chart: one row per stage, F/R/B blocks by micro-batch, waits below, the bubble."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_gpipe.pipe.trace import Event
+from lightning_gpipe.pipe.trace_stats import breakdown
+
+# Compute on the upper band of a stage's row; waits, sends and reductions on a thin band below it.
+COLORS = {
+    "forward": "#4C78A8",
+    "recompute": "#F58518",
+    "backward": "#54A24B",
+    "update": "#B279A2",
+    "reduce": "#9D755D",
+    "recv-wait": "#BAB0AC",
+    "send-wait": "#D8D2CF",
+    "send": "#E45756",
+}
+LETTERS = {"forward": "F", "recompute": "R", "backward": "B"}
+LOWER = ("recv-wait", "send-wait", "send")
+
+
+def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str = "") -> dict[str, Any]:
+    """Draw ``events`` (every stage of one pipeline, one step) to ``path``; returns :func:`breakdown`'s statistics.
+
+    Needs matplotlib (``pip install matplotlib``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("drawing a pipeline timeline needs matplotlib: pip install matplotlib") from e
+
+    stats = breakdown(events)
+    origin = min(e.start_ns for e in events)
+    stages = sorted({e.stage for e in events})
+    span_ms = stats["span_ms"]
+    fig, ax = plt.subplots(figsize=(12, 0.9 + 0.75 * len(stages)))
+    for e in events:
+        if e.kind == "step" or e.kind not in COLORS:
+            continue
+        x, w = (e.start_ns - origin) / 1e6, (e.end_ns - e.start_ns) / 1e6
+        row = stages.index(e.stage)
+        lower = e.kind in LOWER
+        y, h = (row + 0.3, 0.18) if lower else (row - 0.3, 0.55)
+        ax.broken_barh([(x, w)], (y, h), facecolors=COLORS[e.kind], edgecolor="white", linewidth=0.4)
+        letter = LETTERS.get(e.kind)
+        # Label a block only where its text fits (about 0.8 % of the span per character).
+        if letter and e.micro_batch >= 0 and w > 0.008 * span_ms * (1 + len(str(e.micro_batch))):
+            ax.text(x + w / 2, row - 0.3 + h / 2, f"{letter}{e.micro_batch}", ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(stages)), [f"stage {k}" for k in stages])
+    ax.set_ylim(len(stages) - 0.4, -0.5)
+    ax.set_xlim(0, span_ms)
+    ax.set_xlabel("ms since the step began")
+    kinds = [k for k in COLORS if any(e.kind == k for e in events)]
+    ax.legend(
+        handles=[Patch(color=COLORS[k], label=k) for k in kinds],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35 if len(stages) < 3 else -0.2),
+        ncol=len(kinds),
+        fontsize=8,
+        frameon=False,
+    )
+    head = f"{title} — " if title else ""
+    ax.set_title(
+        f"{head}K={stats['K']}, M={stats['M']}: bubble {100 * stats['bubble']:.1f}% measured, "
+        f"{100 * stats['theoretical_bubble']:.1f}% = (K−1)/(M+K−1); step {span_ms:.0f} ms",
+        fontsize=10,
+    )
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return stats

@@ -1,0 +1,128 @@
+"""Where a traced step's time went: per-stage shares of compute, waiting, bubble and update, vs GPipe's theory."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_gpipe.pipe.trace import Event
+
+COMPUTE = ("forward", "recompute", "backward")
+# Every kind a stage records except "step", which spans whole phases and so overlaps the others.
+PARTS = (*COMPUTE, "recv-wait", "send", "send-wait", "reduce", "update")
+
+
+def theoretical_bubble(K: int, M: int) -> float:
+    """GPipe's idle fraction (K−1)/(M+K−1) when every unit of work costs the same."""
+    return (K - 1) / (M + K - 1)
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def _phase_of(e: Event, phases: list[Event]) -> str:
+    return next((p.label for p in phases if p.stage == e.stage and p.start_ns <= e.start_ns <= p.end_ns), "")
+
+
+def transfer_ns(events: Sequence[Event]) -> dict[int, int]:
+    """Per stage, the part of its receive waits spent on the transfer itself: from when the peer started sending (or
+    the wait began, if later) to the wait's end. The rest of a wait is the peer still computing -- the bubble."""
+    phases = [e for e in events if e.kind == "step"]
+    sends: dict[tuple[int, str, int], int] = {}
+    for e in events:
+        if e.kind == "send":
+            sends.setdefault((e.stage, _phase_of(e, phases), e.micro_batch), e.start_ns)
+    out: dict[int, int] = {}
+    for e in events:
+        if e.kind != "recv-wait":
+            continue
+        phase = _phase_of(e, phases)
+        if e.label == "output" or (phase in ("forward", "evaluation") and e.micro_batch < 0):
+            src = max(p.stage for p in phases)  # the last stage shares the output
+        else:
+            src = e.stage + (1 if phase == "backward" else -1)
+        sent = sends.get((src, phase, e.micro_batch))
+        if sent is not None:
+            out[e.stage] = out.get(e.stage, 0) + max(e.end_ns - max(sent, e.start_ns), 0)
+    return out
+
+
+def breakdown(events: Sequence[Event]) -> dict[str, Any]:
+    """Shares of a traced step, per stage and averaged, from the events of every stage of one pipeline.
+
+    ``span``: from the first event to the last on any stage. ``pipeline span``: from the first forward phase's
+    start to the last backward phase's end (the loss and the weight update lie outside the pipeline's own time).
+    Per stage, ``bubble`` is the share of the pipeline span in which the stage computed nothing (no forward,
+    recompute or backward) -- waits for peers, sends and the loss between the phases included -- which is what
+    GPipe's (K−1)/(M+K−1) predicts. ``transfer`` is the part of the receive waits spent moving data (see
+    :func:`transfer_ns`); the rest of ``recv-wait`` is waiting for a peer's compute. ``load imbalance`` is
+    (max − mean) of the stages' compute time over the pipeline span; ``other`` is the part of the span covered by
+    no event (the user's loss, Lightning's loop, idling after the stage's last work).
+    """
+    if not events:
+        raise ValueError("no events: was the timeline enabled during the step?")
+    stages = sorted({e.stage for e in events})
+    start, end = min(e.start_ns for e in events), max(e.end_ns for e in events)
+    phases = [e for e in events if e.kind == "step"]
+    fwd = [e.start_ns for e in phases if e.label == "forward"] or [start]
+    bwd = [e.end_ns for e in phases if e.label == "backward"] or [end]
+    p_start, p_end = min(fwd), max(bwd)
+    span, p_span = end - start, max(p_end - p_start, 1)
+    M = max((e.micro_batch for e in events if e.kind == "forward"), default=-1) + 1
+    transfers = transfer_ns(events)
+    per_stage: dict[int, dict[str, float]] = {}
+    for k in stages:
+        mine = [e for e in events if e.stage == k and e.kind != "step"]
+        ms = {kind: sum(e.end_ns - e.start_ns for e in mine if e.kind == kind) / 1e6 for kind in PARTS}
+        busy = [(max(e.start_ns, p_start), min(e.end_ns, p_end)) for e in mine if e.kind in COMPUTE]
+        compute_in_pipeline = _union_ns([iv for iv in busy if iv[1] > iv[0]])
+        covered = _union_ns([(e.start_ns, e.end_ns) for e in mine])
+        per_stage[k] = {
+            **{f"{kind}_ms": v for kind, v in ms.items()},
+            "compute_ms": sum(ms[kind] for kind in COMPUTE),
+            "transfer_ms": transfers.get(k, 0) / 1e6,
+            "other_ms": (span - covered) / 1e6,
+            "bubble": 1.0 - compute_in_pipeline / p_span,
+        }
+    computes = [s["compute_ms"] for s in per_stage.values()]
+    K = len(stages)
+
+    def share(key: str) -> float:
+        return sum(s[key] for s in per_stage.values()) / K / (span / 1e6)
+
+    return {
+        "K": K,
+        "M": M,
+        "span_ms": span / 1e6,
+        "pipeline_span_ms": p_span / 1e6,
+        "bubble": sum(s["bubble"] for s in per_stage.values()) / K,
+        "theoretical_bubble": theoretical_bubble(K, M) if M else None,
+        "load_imbalance": (max(computes) - sum(computes) / K) / (p_span / 1e6),
+        "shares": {
+            **{kind: share(f"{kind}_ms") for kind in PARTS},
+            "transfer": share("transfer_ms"),
+            "other": share("other_ms"),
+        },
+        "stages": {str(k): v for k, v in per_stage.items()},
+    }
+
+
+def summary_line(stats: dict[str, Any]) -> str:
+    """One line for a log: K, M, the measured bubble beside the theoretical one, and the biggest shares."""
+    shares = ", ".join(
+        f"{kind} {100 * v:.0f}%" for kind, v in sorted(stats["shares"].items(), key=lambda kv: -kv[1]) if v >= 0.005
+    )
+    theory = stats["theoretical_bubble"]
+    return (
+        f"K={stats['K']}, M={stats['M']}: step {stats['span_ms']:.1f} ms, bubble {100 * stats['bubble']:.1f}% "
+        f"measured vs {100 * theory:.1f}% = (K−1)/(M+K−1); time per stage: {shares}"
+    )

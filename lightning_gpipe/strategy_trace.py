@@ -1,0 +1,119 @@
+"""GPipeStrategy(trace_dir=...): chosen training steps written as one Chrome trace and one Gantt chart per step."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_gpipe.pipe.trace import Event, gather_events, write_chrome_trace
+from lightning_gpipe.pipe.trace_stats import summary_line
+
+
+def check_trace_args(trace_dir: str | None, trace_steps: int | Sequence[int]) -> tuple[int, ...]:
+    """The steps to trace, as a tuple, or a clear error before any work is done."""
+    steps = (trace_steps,) if isinstance(trace_steps, int) else tuple(trace_steps)
+    if not steps or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps):
+        raise ValueError(
+            f"GPipeStrategy(trace_steps={trace_steps!r}): give one or more optimizer-step indices ≥ 0 "
+            "(trainer.global_step when the step starts), e.g. trace_steps=[5, 100]"
+        )
+    if trace_dir is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "GPipeStrategy(trace_dir=...) draws each traced step as a PNG with matplotlib, which is not "
+                "installed: pip install matplotlib (or lightning-gpipe[examples]), or leave trace_dir unset"
+            ) from e
+    return steps
+
+
+class TraceHooks:
+    """Mixed into GPipeStrategy: turns the stage's timeline on for the chosen steps and writes them out.
+
+    A traced step runs from the first ``training_step`` of an optimizer step (all its accumulation micro-steps
+    included) to the end of ``optimizer_step``. Only the first data-parallel replica traces, so the others run
+    undisturbed; its stages meet in a barrier first and measure time from there, which lines up stages on
+    different hosts too. Stage 0 writes ``step_<N>.json`` (chrome://tracing, Perfetto; the time breakdown in its
+    ``otherData``) and ``step_<N>.png``.
+    """
+
+    trace_dir: str | None
+    trace_steps: tuple[int, ...]
+    lightning_module: Any
+    stage: Any
+    _header_group: Any
+    _dp_group: Any
+    _trace_origin: int | None = None
+    _trace_step = -1
+    _traced: tuple[int, ...] = ()
+
+    def _trace_begin(self) -> None:
+        """At the start of every training_step: start tracing if this optimizer step was asked for."""
+        if self.trace_dir is None or self._trace_origin is not None:
+            return
+        step = self.lightning_module.trainer.global_step
+        if step not in self.trace_steps or step in self._traced or dist.get_rank(self._dp_group) != 0:
+            return
+        dist.barrier(group=self._header_group)
+        self._trace_origin, self._trace_step = time.perf_counter_ns(), step
+        self.stage.timeline.clear()
+        self.stage.timeline.enabled = True
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.trace_dir is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        # The closure may run the step's training_step, and so start the trace: whether to end it is known after.
+        closed: list[int] = []
+
+        def timed_closure() -> Any:
+            result = closure()
+            closed.append(time.perf_counter_ns())  # the update (clipping and the step) starts here
+            return result
+
+        start = time.perf_counter_ns()
+        out = super().optimizer_step(optimizer, timed_closure, model, **kwargs)  # type: ignore[misc]
+        if self._trace_origin is not None:
+            timeline = self.stage.timeline
+            update = Event("update", timeline.stage, -1, closed[-1] if closed else start, time.perf_counter_ns())
+            timeline.events.append(update)
+            self._trace_end()
+        return out
+
+    def _trace_end(self) -> None:
+        timeline, origin = self.stage.timeline, self._trace_origin
+        assert origin is not None
+        timeline.enabled, self._trace_origin = False, None
+        step = self._trace_step
+        self._traced = (*self._traced, step)
+        events = gather_events(timeline, self._header_group, origin_ns=origin)
+        timeline.clear()
+        if not self.stage.is_first:
+            return
+        from lightning_gpipe.pipe.gantt import plot_timeline
+
+        out = Path(self.trace_dir)  # type: ignore[arg-type]
+        out.mkdir(parents=True, exist_ok=True)
+        stats = plot_timeline(events, out / f"step_{step}.png", title=f"step {step}")
+        write_chrome_trace(events, out / f"step_{step}.json", metadata={"step": step, **stats})
+        rank_zero_info(f"GPipe trace of step {step} in {out}: {summary_line(stats)}")
+
+    def on_train_end(self) -> None:
+        missed = sorted(set(self.trace_steps) - set(self._traced))
+        if self.trace_dir is not None and missed and dist.get_rank(self._dp_group) == 0:
+            rank_zero_warn(
+                f"GPipeStrategy(trace_steps=...): step(s) {missed} never ran, so they were not traced; "
+                f"this fit ended at step {self.lightning_module.trainer.global_step}"
+            )
+        super().on_train_end()  # type: ignore[misc]
+
+
+def read_stats(path: str | Path) -> dict[str, Any]:
+    """The time breakdown stored in a trace written by the strategy."""
+    return json.loads(Path(path).read_text())["otherData"]
