@@ -61,27 +61,29 @@ class TraceHooks:
         step = self.lightning_module.trainer.global_step
         if step not in self.trace_steps or step in self._traced or dist.get_rank(self._dp_group) != 0:
             return
+        timeline = self.stage.timeline
+        timeline.clear()
+        timeline.enabled = True
+        timeline.now()  # let the previous step's queued GPU work finish before the clocks are lined up
         dist.barrier(group=self._header_group)
         self._trace_origin, self._trace_step = time.perf_counter_ns(), step
-        self.stage.timeline.clear()
-        self.stage.timeline.enabled = True
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.trace_dir is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         # The closure may run the step's training_step, and so start the trace: whether to end it is known after.
         closed: list[int] = []
+        timeline = self.stage.timeline
 
         def timed_closure() -> Any:
             result = closure()
-            closed.append(time.perf_counter_ns())  # the update (clipping and the step) starts here
+            closed.append(timeline.now())  # the update (clipping and the step) starts here
             return result
 
-        start = time.perf_counter_ns()
+        start = timeline.now()
         out = super().optimizer_step(optimizer, timed_closure, model, **kwargs)  # type: ignore[misc]
         if self._trace_origin is not None:
-            timeline = self.stage.timeline
-            update = Event("update", timeline.stage, -1, closed[-1] if closed else start, time.perf_counter_ns())
+            update = Event("update", timeline.stage, -1, closed[-1] if closed else start, timeline.now())
             timeline.events.append(update)
             self._trace_end()
         return out

@@ -116,7 +116,7 @@ class PipelineStage(nn.Module):
             else None
         )
         self._status = StatusCheck(header_group, self._k, timedelta(seconds=timeout)) if distributed else None
-        self.timeline = Timeline(self._k, enabled=timeline)
+        self.timeline = Timeline(self._k, enabled=timeline, device=self._device)
         self._step: Step | None = None
         self._broken: PipelineError | None = None
 

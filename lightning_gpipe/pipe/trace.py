@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 # Event kinds a stage records; "step" spans one whole forward or backward phase. The Lightning strategy adds
 # "reduce" (gradient reductions over replicas and tied weights) and "update" (clipping and the optimizer step).
@@ -28,23 +29,39 @@ class Timeline:
     """Cheap event recorder: two clock reads and an append per event, nothing when disabled.
 
     Times come from ``time.perf_counter_ns`` (CLOCK_MONOTONIC on Linux), which all processes on one host share, so
-    the stages of a single-machine pipeline line up without clock synchronisation.
+    the stages of a single-machine pipeline line up without clock synchronisation. On a CUDA ``device`` each event
+    first waits for the queued kernels (only while enabled): otherwise it would time their launch, not their work.
     """
 
-    def __init__(self, stage: int, enabled: bool = False) -> None:
+    def __init__(self, stage: int, enabled: bool = False, device: Any = None) -> None:
         self.stage = stage
         self.enabled = enabled
         self.events: list[Event] = []
+        self._sync = None
+        if device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda":
+            import torch
+
+            self._sync = lambda: torch.cuda.synchronize(device)
+
+    def now(self) -> int:
+        """The clock, after the device's queued work while enabled (for events recorded by hand)."""
+        if self.enabled and self._sync is not None:
+            self._sync()
+        return time.perf_counter_ns()
 
     @contextlib.contextmanager
     def record(self, kind: str, micro_batch: int = -1, label: str = "") -> Iterator[None]:
         if not self.enabled:
             yield
             return
+        if self._sync is not None:
+            self._sync()
         start = time.perf_counter_ns()
         try:
             yield
         finally:
+            if self._sync is not None:
+                self._sync()
             self.events.append(Event(kind, self.stage, micro_batch, start, time.perf_counter_ns(), label))
 
     def clear(self) -> None:
