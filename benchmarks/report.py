@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 from collections.abc import Sequence
@@ -17,11 +18,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def environment(threads_per_process: int | None = None, processes: str | None = None) -> dict:
     """``machine_info`` plus what a reader needs to compare runs: accelerator, Lightning version, threads, launch."""
     info = machine_info()
-    try:
-        import lightning
-
-        info["lightning"] = lightning.__version__
-    except ImportError:
+    try:  # the version without importing Lightning (seconds on a busy machine)
+        info["lightning"] = importlib.metadata.version("lightning")
+    except importlib.metadata.PackageNotFoundError:
         info["lightning"] = None
     info["accelerator"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     info["threads_per_process"] = threads_per_process if threads_per_process is not None else torch.get_num_threads()
