@@ -26,6 +26,7 @@ class Step:
     input_leaves: list[Any] = field(default_factory=list)  # stage 0: the caller's input tensors needing a gradient
     output: Any = None  # last stage: the joined output, whose leaves collect the caller's gradient
     sizes: list[int] = field(default_factory=list)
+    seed: int = 0  # the phase's step seed (stage 0's): micro-batch m's layers draw from mix(seed, m)
 
 
 @dataclass(frozen=True)

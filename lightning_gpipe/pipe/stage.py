@@ -31,6 +31,7 @@ from lightning_gpipe.pipe.microbatch import (
 )
 from lightning_gpipe.pipe.partition import Balance, agree_on_balance, shared_parameters, stage_layers
 from lightning_gpipe.pipe.records import OUTPUT_MODES, MicroBatch, OutputMode, Placeholder, Step
+from lightning_gpipe.pipe.rng import draw_step_seed, mix, name_key, reseed, restored_streams
 from lightning_gpipe.pipe.schedule import Checkpoint, backward_order, is_checkpointed, validate_checkpoint
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
@@ -110,6 +111,7 @@ class PipelineStage(nn.Module):
         ]
         for name, layer in layers:
             self.add_module(name, convert_deferred_batch_norm(layer) if deferred_batch_norm else layer)
+        self._name_keys = {name: name_key(name) for name, _ in layers}
         self._transport = (
             Transport(group, device=self._device, timeout=timedelta(seconds=timeout), header_group=header_group)
             if distributed
@@ -171,16 +173,19 @@ class PipelineStage(nn.Module):
         return self._step is not None
 
     # -------------------------------------------------------------------------------------------- running layers
-    def _run(self, x: Any, copy: bool = True) -> Any:
+    def _run(self, x: Any, seed: int, copy: bool = True) -> Any:
+        """This stage's layers on one micro-batch; each layer's randomness seeded by ``seed`` (see ``rng``)."""
         # A training boundary input is kept for the recompute and may be a leaf that requires grad: an in-place
         # first layer (ReLU(inplace=True)) must neither corrupt it nor trip autograd's leaf check, so layers get a copy.
         if copy:
             x = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
-        for layer in self._modules.values():
+        for name, layer in self._modules.items():
+            reseed(mix(seed, self._name_keys[name]), self._device)
             x = layer(x)
         return x
 
-    def _receive(self, m: int, training: bool) -> tuple[Any, int]:
+    def _receive(self, m: int, training: bool) -> tuple[Any, int, int]:
+        """Micro-batch m's input from the previous stage, with M and the phase's step seed."""
         assert self._transport is not None
         with self.timeline.record("recv-wait", m):
             x, fields = self._transport.recv(self._k - 1, f"micro-batch {m}'s input")
@@ -190,7 +195,7 @@ class PipelineStage(nn.Module):
                 f"stage {self._k - 1} ran {modes[fields['training']]} while stage {self._k} ran {modes[training]}; "
                 "every stage must call the pipelined module in the same grad mode"
             )
-        return x, fields["M"]
+        return x, fields["M"], fields["seed"]
 
     def _send(self, dst: int, obj: Any, micro_batch: int, **kwargs: Any) -> list[TensorMeta]:
         assert self._transport is not None
@@ -279,23 +284,28 @@ class PipelineStage(nn.Module):
                 "the pipelined module was called twice before backward() drained the first call: call it exactly once "
                 "per training step (or call reset() if a step's backward is skipped)"
             )
-        with self._phase("forward") as where:
+        seed = draw_step_seed()  # outside the restored streams: the next step draws the next seed
+        with self._phase("forward") as where, restored_streams(self._device):
             micro_inputs, input_leaves = split_leaves(input, self._chunks) if self.is_first else ([], [])
             could_require = any(p.requires_grad for p in self.parameters())
-            step = Step([], input_leaves=input_leaves)
+            step = Step([], input_leaves=input_leaves, seed=seed)
             m, M = 0, len(micro_inputs)
             while m < M or (m == 0 and not self.is_first):
                 where[0] = m
-                x, M = (micro_inputs[m], M) if self.is_first else self._receive(m, training=True)
+                if self.is_first:
+                    x = micro_inputs[m]
+                else:
+                    x, M, step.seed = self._receive(m, training=True)
                 ckpt = is_checkpointed(self._checkpoint, m, M)
                 state = ForwardState.capture([self._device]) if ckpt else None
                 with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
-                    y = self._run(x)
+                    y = self._run(x, mix(step.seed, m))
                 needs = could_require or any(t.requires_grad for t in tensors(x))
                 marks = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(y)]
                 mb = MicroBatch(x, y, state, marks)
                 if not self.is_last:
-                    mb.metas = self._send(self._k + 1, y, m, requires_grad=marks, m=m, M=M, training=True)
+                    fields = {"m": m, "M": M, "training": True, "seed": step.seed}
+                    mb.metas = self._send(self._k + 1, y, m, requires_grad=marks, **fields)
                     if ckpt:
                         mb.output = None
                 step.micro.append(mb)
@@ -369,7 +379,7 @@ class PipelineStage(nn.Module):
                 y = mb.output
                 if mb.state is not None:
                     with self.timeline.record("recompute", m), mb.state.restore(), recomputing(), torch.enable_grad():
-                        y = self._run(mb.input)
+                        y = self._run(mb.input, mix(step.seed, m))
                 if pending is not None:
                     with self.timeline.record("recv-wait", m):
                         grads, _ = pending.wait()
@@ -404,19 +414,20 @@ class PipelineStage(nn.Module):
         return [list(g) for g in split_by_sizes(grads, step.sizes)]
 
     def _evaluate(self, input: Any) -> Any:
-        with self._phase("evaluation") as where, deferred_statistics():
+        seed = draw_step_seed()
+        with self._phase("evaluation") as where, deferred_statistics(), restored_streams(self._device):
             micro_inputs = split(input, self._chunks) if self.is_first else []
             outs = []
             m, M = 0, len(micro_inputs)
             while m < M or (m == 0 and not self.is_first):
                 where[0] = m
-                x, M = (micro_inputs[m], M) if self.is_first else self._receive(m, training=False)
+                x, M, seed = (micro_inputs[m], M, seed) if self.is_first else self._receive(m, training=False)
                 with self.timeline.record("forward", m):
-                    y = self._run(x, copy=False)
+                    y = self._run(x, mix(seed, m), copy=False)
                 if self.is_last:
                     outs.append(y)
                 else:
-                    self._send(self._k + 1, y, m, m=m, M=M, training=False)
+                    self._send(self._k + 1, y, m, m=m, M=M, training=False, seed=seed)
                 m += 1
             commit_deferred_batch_norm(self)
             where[0] = None
