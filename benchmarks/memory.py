@@ -5,19 +5,14 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
-import math
 import os
-import re
 import shlex
 import statistics
 import sys
 import time
-import weakref
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report
 from machine import launch
+from memory_probe import MALLOC_ENV, Meter, counting_saved, state_bytes, storages  # the meters
+from memory_search import largest  # the size search
 
 from lightning_gpipe.models import amoebanet_d, transformer_nmt
 from lightning_gpipe.pipe import PipelineStage
@@ -62,8 +58,6 @@ Pipeline-2 and -4 start from the previous pipeline's result × (K ratio)^(1/p). 
 process, no re-materialization; Pipeline-K runs `PipelineStage` (re-materialization, `checkpoint="except_last"`);
 for K > 1 its layers are split to even out 16 B × parameters + the bytes a layer saves for backward on one
 micro-batch (the last layer also carries 3× the joined output, for the loss), estimated on stage 0."""
-
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "1"}
 CONFIGS = {"Naive-1": 1, "Pipeline-1": 1, "Pipeline-2": 2, "Pipeline-4": 4}  # name: K
 MB = 2**20
 
@@ -98,24 +92,6 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, target.flatten())
 
 
-def storages(tensors: Any) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors}
-
-
-@contextmanager
-def counting_saved(skip: set[int], into: dict[int, int]) -> Iterator[None]:
-    """Record the storages autograd saves for backward meanwhile (data pointer: bytes), except those in ``skip``."""
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            into[st.data_ptr()] = st.nbytes()
-        return t.detach()  # not t: a saved output holding its own grad_fn would be a reference cycle
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
-
-
 def layer_costs(model: nn.Sequential, x: Any, micro: int, batch: int) -> list[float]:
     """The balance's cost of each layer (see METHOD), from a forward pass on ``micro`` samples."""
     x = tuple(t[:micro] for t in x) if isinstance(x, tuple) else x[:micro]
@@ -127,94 +103,6 @@ def layer_costs(model: nn.Sequential, x: Any, micro: int, batch: int) -> list[fl
         costs.append(4.0 * sum(p.numel() * p.element_size() for p in layer.parameters()) + sum(saved.values()))
     costs[-1] += 3.0 * x.untyped_storage().nbytes() * batch / micro
     return costs
-
-
-# ----------------------------------------------------------------------------------------------------- meters
-def _status(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
-
-
-class LiveTensors(TorchDispatchMode):
-    """Bytes of the storages that ops create while it is active and that are still alive, and their peak.
-
-    New: a storage an op returns that none of its inputs has (so not an in-place result, a view or an ``out=``).
-    torch keeps a storage's Python object as long as the storage lives, so a weak reference reports its release.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.refs: dict[int, weakref.ref] = {}
-
-    def _freed(self, key: int, nbytes: int, _ref: weakref.ref) -> None:
-        self.live -= nbytes
-        self.refs.pop(key, None)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = None
-        for t in _tensors(out):
-            st = t.untyped_storage()
-            if (key := st._cdata) in self.refs:
-                continue
-            if inputs is None:
-                inputs = {i.untyped_storage()._cdata for i in (*_tensors(args), *_tensors((kwargs or {}).values()))}
-            if key not in inputs:
-                self.refs[key] = weakref.ref(st, functools.partial(self._freed, key, st.nbytes()))
-                self.live += st.nbytes()
-                self.peak = max(self.peak, self.live)
-        return out
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or results: a tensor, or a sequence of tensors and tensor lists."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    flat: list[torch.Tensor] = []
-    for o in obj if isinstance(obj, (list, tuple)) or hasattr(obj, "__iter__") else ():
-        if isinstance(o, torch.Tensor):
-            flat.append(o)
-        elif isinstance(o, (list, tuple)):
-            flat += [t for t in o if isinstance(t, torch.Tensor)]
-    return flat
-
-
-class Meter:
-    """Memory allocated since ``window()`` began, and its peak: ``LiveTensors`` on CPU (plus the resident set's growth:
-    VmHWM, reset by writing 5 to /proc/self/clear_refs, minus VmRSS at the start), torch's allocator on CUDA."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda, self.base, self.mode = device.type == "cuda", 0, LiveTensors()
-
-    @contextmanager
-    def window(self) -> Iterator[None]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")
-            self.base = _status("VmRSS")
-        with nullcontext() if self.cuda else self.mode:
-            yield
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def now(self) -> int:
-        return torch.cuda.memory_allocated() - self.base if self.cuda else self.mode.live
-
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated() - self.base if self.cuda else self.mode.peak
-
-    def rss_peak(self) -> int | None:
-        return None if self.cuda else _status("VmHWM") - self.base
-
-
-def state_bytes(module: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, buffers, gradients and optimizer state (distinct storages)."""
-    ts = [*module.parameters(), *module.buffers(), *(p.grad for p in module.parameters() if p.grad is not None)]
-    ts += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
 
 
 # ----------------------------------------------------------------------------------------------------- worker
@@ -319,49 +207,6 @@ def measure(jobs: list[dict], args: argparse.Namespace) -> list[dict]:
             flush=True,
         )
     return runs
-
-
-def predict(near: list[dict], budget: int, p: int, sizes: range) -> int:
-    """The largest of ``sizes`` predicted to fit: the mean stage's model memory ~ size^p and its activations ~ size,
-    each on the line through the runs ``near`` (through zero if only one), times the first one's worst/mean ratio."""
-    (s1, m1, a1), (s2, m2, a2) = [
-        (r["size"], *(sum(s[k] for s in r["stages"]) / r["K"] for k in ("model_bytes", "peak_activation_bytes")))
-        for r in [*near, {"size": 0, "K": 1, "stages": []}][:2]
-    ]
-    ratio = near[0]["worst_bytes"] / max(m1 + a1, 1.0)
-
-    def memory(s: int) -> float:
-        return ratio * (m1 + (m2 - m1) * (s**p - s1**p) / (s2**p - s1**p) + a1 + (a2 - a1) * (s - s1) / (s2 - s1))
-
-    return max((s for s in sizes if memory(s) <= budget), default=sizes.start)
-
-
-def largest(
-    runner: Callable[[int], dict], first: dict, spec: dict, budget: int, max_runs: int, seed: float | None = None
-) -> dict:
-    """Largest size whose worst stage fits ``budget``, bracketed by real runs (see METHOD); ``seed``: a first guess."""
-    step, lo = spec["step"], spec["min"]
-    runs = {first["size"]: first}
-    for _ in range(max_runs):
-        fits = [s for s, r in runs.items() if r["worst_bytes"] <= budget]
-        over = [s for s, r in runs.items() if r["worst_bytes"] > budget]
-        best = max(fits, default=None)
-        if (best is not None and best + step in over) or (best is None and lo in over):
-            break
-        top = min(over) - step if over else max(4 * max(runs), int(seed or 0))  # inside the bracket; 4x at most
-        near = sorted(runs.values(), key=lambda r: abs(math.log(r["worst_bytes"] / budget)))[:2]
-        guess = seed if len(runs) == 1 and seed else predict(near, budget, spec["p"], range(lo, top + 1, step))
-        cand = min(max(int(guess // step) * step, lo, best + step if best is not None else lo), top)
-        if cand in runs:
-            cand = cand + step if runs[cand]["worst_bytes"] <= budget else cand - step
-        if cand in runs or cand < lo:
-            break
-        runs[cand] = runner(cand)
-    best = max((s for s, r in runs.items() if r["worst_bytes"] <= budget), default=None)
-    above = [r["worst_bytes"] > budget for s, r in runs.items() if best is None or s > best]
-    verified = (best + step if best is not None else lo) in runs and all(above)
-    chosen = runs.get(best) if best is not None else None
-    return {"largest": best, "verified": verified, "run": chosen, "runs": [runs[s] for s in sorted(runs)]}
 
 
 # ----------------------------------------------------------------------------------------------------- output

@@ -5,40 +5,37 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import datetime
-import json
 import os
 import re
-import shutil
-import signal
 import sys
-import tempfile
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import engine_speed as es  # puts the repo root on sys.path, so lightning_gpipe imports from this checkout
 import report
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from machine import (
     Timing,
     add_timing_args,
     background_load,
-    broadcast_from_last,
     cpu_snapshot,
-    free_port,
     launch,
     max_over_ranks,
     measure,
     probe,
     stats,
-    timed,
     wait_quiet,
+)
+from peers_variable import (  # variable lengths, and the probes of torch's schedule built once
+    REL_TOL,
+    VAR_SYSTEMS,
+    collect_probes,
+    configure,
+    start_probes,
+    variable_lengths,
+    variable_summary,
 )
 from torch import nn
 
@@ -49,8 +46,6 @@ FULL = {k: getattr(es, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH"
 SMOKE = {"LAYERS": 4, "D_MODEL": 64, "HEADS": 4, "FFN": 256, "BATCH": 16, "SEQ": 16}
 LENGTHS, SMOKE_LENGTHS = [16, 32, 24, 40, 8, 48, 32, 16, 56, 24], [8, 16, 4, 12]
 SYSTEMS = ("ours except_last", "ours always", "torch GPipe", "plain")
-VAR_SYSTEMS = ("ours except_last", "plain", "torch GPipe rebuilt per step")
-REL_TOL = 1e-5
 RATIOS = {  # ratio of throughputs: (numerator system, denominator system)
     "ours_torch": ("ours except_last", "torch GPipe"),
     "always_torch": ("ours always", "torch GPipe"),
@@ -71,31 +66,6 @@ VAR_COLS = (
 )
 STEP_COLS = "step|step|; L|length|; " + "; ".join(f"{n}|{n} ms|.1f" for n in VAR_SYSTEMS)
 STEP_COLS += "; loss|plain loss|.6f; diff|ours rel. diff|.1e"
-
-
-def configure(shape: dict) -> None:
-    """Set engine_speed's model and batch sizes, which its build_model / make_batch / build_torch read."""
-    for k, v in shape.items():
-        setattr(es, k, v)
-
-
-def var_batch(L: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(es.BATCH, L, es.D_MODEL, generator=g), torch.randn(es.BATCH, L, es.D_MODEL, generator=g)
-
-
-def rel(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else abs(a - b) / max(abs(b), 1e-12)
-
-
-def torch_rebuilt_step(module: nn.Module, rank: int, M: int, group: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-    """A new torch PipelineStage + ScheduleGPipe around the same stage module, then one step (shape inferred anew)."""
-    import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage as TorchStage
-    from torch.distributed.pipelining import ScheduleGPipe
-
-    stage = TorchStage(module, rank, 2, torch.device("cpu"), group=group)
-    return es.torch_step(ScheduleGPipe(stage, n_microbatches=M, loss_fn=F.mse_loss), rank == 1, x, y)
 
 
 # ------------------------------------------------------------------------------------ the main job (2 processes)
@@ -138,143 +108,6 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     return out
 
 
-def variable_lengths(rank: int, model: nn.Sequential, job: dict) -> list[dict]:
-    """The same layers, one step per length in turn: ours, plain, and torch's stage + schedule rebuilt every step."""
-    M, last, half = job["var_m"], rank == 1, es.LAYERS // 2
-    g_ours, g_torch = dist.new_group([0, 1]), dist.new_group([0, 1])
-    ours = PipelineStage(copy.deepcopy(model), chunks=M, balance=[half, half], group=g_ours)
-    plain = copy.deepcopy(model)
-    tmod = es.CheckpointedStage(list(copy.deepcopy(model))[rank * half : (rank + 1) * half], "stage")
-    steps: list[dict] = []
-    lengths = job["lengths"] * job["var_passes"]
-    for i, L in enumerate([job["lengths"][0], *lengths]):  # step 0: untimed warm-up at the first length
-        x, y = var_batch(L, i)
-        runners = {
-            "ours except_last": es.zeroed(ours, lambda x=x, y=y: es.ours_step(ours, x, y)),
-            "plain": es.zeroed(plain, lambda x=x, y=y: es.plain_step(plain, x, y) if last else None),
-            "torch GPipe rebuilt per step": es.zeroed(
-                tmod, lambda x=x, y=y: torch_rebuilt_step(tmod, rank, M, g_torch, x, y)
-            ),
-        }
-        names = list(runners) if i % 2 == 0 else list(reversed(runners))
-        rec: dict[str, Any] = {"step": i - 1, "L": L, "tokens": es.BATCH * L, "warmup": i == 0}
-        for name in names:
-            runners[name].reset()
-            t, result = timed(runners[name].step)
-            rec[name] = {**t, "ms": t["s"] * 1e3, "clean": t["foreign_cores"] < job["timing"].clean_threshold}
-            rec[name]["loss"] = broadcast_from_last(result)
-        for name in VAR_SYSTEMS:
-            rec[name]["rel_diff_vs_plain"] = rel(rec[name]["loss"], rec["plain"]["loss"])
-        steps.append(rec)
-    return steps
-
-
-# ------------------------------------------- torch's schedule built once, fed new lengths (own processes, watchdog)
-def probe_worker(spec: dict) -> None:
-    """One rank of a probe: torch's ScheduleGPipe built for the first length, stepped at each length in turn.
-
-    What each step did goes to rank<k>.json after every step, so a crash or a hang leaves the steps before it."""
-    rank, path = spec["rank"], Path(spec["dir"]) / f"rank{spec['rank']}.json"
-    fd = os.open(Path(spec["dir"]) / f"out{rank}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)  # gloo's C++ abort message goes to stderr: keep it
-    os.dup2(fd, 2)
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=spec["pg_timeout"])
-    dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=2, timeout=timeout)
-    configure(spec["shape"])
-    model = es.build_model()
-    schedule, module = es.build_torch(model, rank, spec["M"], None, "stage")
-    steps: list[dict] = []
-    for i, L in enumerate(spec["lengths"]):
-        x, y = var_batch(L, i)
-        module.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        try:
-            loss = es.torch_step(schedule, rank == 1, x, y)
-            rec = {"step": i, "L": L, "ms": (time.perf_counter() - t0) * 1e3, "loss": loss}
-            if rank == 1:
-                rec["plain_loss"] = es.plain_step(copy.deepcopy(model), x, y)
-                rec["rel_diff_vs_plain"] = rel(loss, rec["plain_loss"])
-        except Exception as e:  # what torch does is the result
-            rec = {"step": i, "L": L, "error": f"{type(e).__name__}: {e}".strip()}
-        steps.append(rec)
-        path.write_text(json.dumps(steps))
-        if "error" in rec:
-            break
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
-def start_probes(probes: dict[str, list[int]], shape: dict, M: int, pg_timeout: float) -> dict:
-    """Two processes per probe (gloo timeout ``pg_timeout``), all started at once; ``collect_probes`` waits.
-
-    Forked, not spawned: they skip importing torch again (nothing has started a thread or a process group here)."""
-    import torch.distributed.pipelining  # noqa: F401  (imported once, before the fork)
-
-    tmp, started, ctx = Path(tempfile.mkdtemp(prefix="peers_probe_")), {}, mp.get_context("fork")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    for i, (name, lengths) in enumerate(probes.items()):
-        d = tmp / str(i)
-        d.mkdir()
-        spec = dict(dir=str(d), init=f"tcp://127.0.0.1:{free_port()}", shape=shape, M=M, lengths=lengths)
-        spec["pg_timeout"] = pg_timeout
-        ps = [ctx.Process(target=probe_worker, args=({**spec, "rank": r},)) for r in (0, 1)]
-        for p in ps:
-            p.start()
-        started[name] = {"dir": d, "lengths": lengths, "procs": ps}
-    return {"tmp": tmp, "probes": started, "t0": time.perf_counter()}
-
-
-def collect_probes(handle: dict, limit: float) -> dict:
-    """What every probe did; a process still running ``limit`` s after the start hangs, and is killed."""
-    result: dict[str, Any] = {}
-    for name, pr in handle["probes"].items():
-        ranks = []
-        for r, p in enumerate(pr["procs"]):
-            p.join(timeout=max(handle["t0"] + limit - time.perf_counter(), 0.1))
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-                exit_ = f"hangs: still running {limit:.0f} s after the start, killed"
-            else:
-                exit_ = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit {p.exitcode}"
-            f, log = pr["dir"] / f"rank{r}.json", (pr["dir"] / f"out{r}.txt").read_text(errors="replace")
-            # A C++ exception in gloo's thread ends the process: "terminate called after throwing an instance of
-            # 'T'" then "  what():  message" on stderr.
-            kind = re.search(r"throwing an instance of '([^']+)'", log)
-            what = re.search(r"what\(\):\s*(.+)", log)
-            abort = f"{kind.group(1) if kind else 'C++ exception'}: {what.group(1).strip()}" if what else None
-            steps = json.loads(f.read_text()) if f.exists() else []
-            ranks.append({"rank": r, "exit": exit_, "steps": steps, "abort": abort, "log_tail": log.splitlines()[-8:]})
-        long, short = verdict(pr["lengths"], ranks)
-        result[name] = {"lengths": pr["lengths"], "ranks": ranks, "verdict": long, "short": short}
-    shutil.rmtree(handle["tmp"], ignore_errors=True)
-    return result
-
-
-def verdict(lengths: list[int], ranks: list[dict]) -> tuple[str, str]:
-    """All lengths ran (and were the losses right?), or where it failed and how, the cause first; long and short."""
-    done = min(len([s for s in r["steps"] if "error" not in s]) for r in ranks)
-    if done == len(lengths) and all(r["exit"] == "exit 0" for r in ranks):
-        worst = max(s["rel_diff_vs_plain"] for s in ranks[1]["steps"])
-        line = f"ran all {len(lengths)} lengths; losses {'right' if worst <= REL_TOL else 'WRONG'}"
-        return f"{line} (max rel. diff vs plain {worst:.1e})", line
-    parts = []
-    for r in ranks:
-        what = (r["abort"] or next((s["error"] for s in r["steps"] if "error" in s), "")).split(" This is typically")[0]
-        short = r["exit"] if r["exit"] != "exit 0" else what.split(":")[0]
-        parts.append(
-            (
-                " by peer" in what,
-                f"rank {r['rank']} {r['exit']}" + f": {what}" * bool(what),
-                f"rank {r['rank']} {short}",
-            )
-        )
-    where = f"fails at step {done} (length {lengths[done - 1]} → {lengths[done]})" if done else "fails at step 0"
-    parts.sort()
-    return f"{where}: " + "; ".join(p[1] for p in parts), f"{where}: {parts[0][2]}"
-
-
 # ------------------------------------------------------------------------------------------------------- driver
 def parse_args() -> tuple[argparse.Namespace, Timing]:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -306,21 +139,6 @@ def tabulate(raw: dict, micro_batches: list[int]) -> tuple[list[dict], list[dict
             rows[-1].update(first_loss=entry["first_loss"][name], grad_diff=grad.get(name, 0.0))
         ratios.append({"M": M, "ideal": 2 * M / (M + 1), **{k: med[b] / med[a] for k, (a, b) in RATIOS.items()}})
     return rows, ratios
-
-
-def variable_summary(steps: list[dict]) -> list[dict]:
-    """Per system: tokens/s over the clean timed steps (all of them if fewer than 5), worst loss difference."""
-    timed_steps, rows = [s for s in steps if not s["warmup"]], []
-    for name in VAR_SYSTEMS:
-        clean = [s for s in timed_steps if s[name]["clean"]]
-        use = clean if len(clean) >= 5 else timed_steps
-        secs, tokens = sum(s[name]["s"] for s in use), sum(s["tokens"] for s in use)
-        worst = max(s[name]["rel_diff_vs_plain"] for s in timed_steps)
-        rows.append({"system": name, "steps": f"{len(clean)}/{len(timed_steps)}", "tokens_per_s": tokens / secs})
-        rows[-1].update(us_per_token=secs / tokens * 1e6, max_rel_diff=worst, match="yes" if worst <= REL_TOL else "NO")
-    for r in rows:
-        r["vs_plain"] = r["tokens_per_s"] / rows[1]["tokens_per_s"]
-    return rows
 
 
 def figure(rows: list[dict], micro_batches: list[int], var_rows: list[dict], probes: dict) -> Any:
