@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -114,8 +113,3 @@ class TraceHooks:
                 f"this fit ended at step {self.lightning_module.trainer.global_step}"
             )
         super().on_train_end()  # type: ignore[misc]
-
-
-def read_stats(path: str | Path) -> dict[str, Any]:
-    """The time breakdown stored in a trace written by the strategy."""
-    return json.loads(Path(path).read_text())["otherData"]
