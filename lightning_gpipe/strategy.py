@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
@@ -24,17 +23,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from lightning_gpipe.clean_exit import destroy_at_exit, keep_at_exit
 from lightning_gpipe.copies import WeightCopies
 from lightning_gpipe.materialize import has_meta_tensors, materialize
 from lightning_gpipe.pipe import PipelineStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
-from lightning_gpipe.pipe.grads import BucketedAllReduce, clip_grad_norm_
+from lightning_gpipe.pipe.grads import BucketedAllReduce
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
+from lightning_gpipe.profiling import agreed_time_balance
 from lightning_gpipe.step_results import take_from_last_stage
 from lightning_gpipe.strategy_checkpoints import CheckpointHooks
 from lightning_gpipe.strategy_collectives import Collectives
+from lightning_gpipe.strategy_precision import PrecisionHooks
 from lightning_gpipe.strategy_predict import PredictHooks
 from lightning_gpipe.strategy_trace import TraceHooks, check_trace_args
 from lightning_gpipe.validation import (
@@ -47,7 +48,7 @@ from lightning_gpipe.validation import (
 Checkpoint = Literal["always", "except_last", "never"]
 
 
-class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, Collectives, ParallelStrategy):
+class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, Collectives, ParallelStrategy):
     """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
 
     The backbone (``backbone``, a dotted attribute path) is split into K = ``pipeline_parallel_size`` stages, one
@@ -58,7 +59,9 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, Collectives, Para
     the output stays on the last stage: the others compute on zeros of its shape, and the step's returned values,
     everything it logged and the module's torchmetrics states are then copied from the last stage.
     ``trace_dir`` writes the training steps ``trace_steps`` (optimizer-step indices) as a Chrome trace and a Gantt
-    chart of every stage, with the measured bubble beside (K−1)/(M+K−1).
+    chart of every stage, with the measured bubble beside (K−1)/(M+K−1). ``balance="time"`` splits the backbone
+    by each layer's measured forward + backward time on one micro-batch of ``example_input_array`` (rank 0 times
+    it, layer by layer on its device; every rank gets the same split).
     """
 
     strategy_name = "gpipe"
@@ -191,6 +194,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, Collectives, Para
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        destroy_at_exit()
         # Stages of one pipeline are consecutive ranks, so on multi-GPU nodes neighbours share a node.
         self._device_mesh = init_device_mesh(
             self.root_device.type,
@@ -202,17 +206,6 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, Collectives, Para
         self._header_group = self._cpu_pipeline_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-
-    def _cpu_pipeline_group(self) -> Any:
-        """The engine reads headers and status on the CPU: with NCCL it needs gloo groups over the same ranks."""
-        if dist.get_backend(self._pp_group) == "gloo":
-            return self._pp_group
-        K, mine = self.pipeline_parallel_size, None
-        for start in range(0, self.world_size, K):  # new_group is collective over the world: all create all
-            group = dist.new_group(list(range(start, start + K)), backend="gloo")
-            if start <= self.global_rank < start + K:
-                mine = group
-        return mine
 
     # ----------------------------------------------------------------------------------------------------- setup
     def setup(self, trainer: pl.Trainer) -> None:
@@ -231,15 +224,22 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, Collectives, Para
         else:
             on_meta = has_meta_tensors(self.lightning_module)
             whole = dict(self.lightning_module.named_modules()) if on_meta else {}
-            if on_meta and self.balance == "time":
-                raise ValueError(
-                    "GPipeStrategy(balance='time') profiles the layers, but the model is on the meta device "
-                    "(configure_model): use balance='parameters' or explicit layer counts"
+            balance = self.balance
+            if balance == "time":
+                balance = agreed_time_balance(
+                    self.lightning_module,
+                    backbone,
+                    self.pipeline_parallel_size,
+                    self.chunks,
+                    self.root_device,
+                    on_meta=on_meta,
+                    rank=self.global_rank,
+                    broadcast=self.broadcast,
                 )
             self._stage = PipelineStage(
                 backbone,
                 chunks=self.chunks,
-                balance=self.balance,
+                balance=balance,
                 checkpoint=self.checkpoint,
                 group=self._pp_group,
                 header_group=self._header_group,
@@ -282,21 +282,6 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, Collectives, Para
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _agree_on_loss_scaling(self) -> None:
-        """16-mixed: a stage that finds an inf must make every stage skip the step, not only itself."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None or isinstance(scaler, ShardedGradScaler):
-            return
-        # ShardedGradScaler all-reduces found_inf over the world group (pipeline stages and replicas alike).
-        self.precision_plugin.scaler = ShardedGradScaler(  # type: ignore[attr-defined]
-            device=self.root_device.type,
-            init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
-            backoff_factor=scaler.get_backoff_factor(),
-            growth_factor=scaler.get_growth_factor(),
-            growth_interval=scaler.get_growth_interval(),
-            enabled=scaler.is_enabled(),
-        )
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -393,10 +378,8 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, Collectives, Para
         finally:
             self._sync_blocked = False
 
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        assert self._copies is not None
-        counted, copies = self._copies.split_for_norm(list(self.precision_plugin.main_params(optimizer)))
-        clip_grad_norm_(counted, copies, clip_val, 2.0, self._pp_group, count_replicated=False)
+    def on_exception(self, exception: BaseException) -> None:
+        keep_at_exit()
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -15,6 +15,9 @@ class Collectives:
     """Mixed into GPipeStrategy (before ParallelStrategy): Lightning's collective hooks on the (dp × K) mesh."""
 
     _dp_group: Any
+    _pp_group: Any
+    pipeline_parallel_size: int
+    global_rank: int
     root_device: torch.device
     world_size: int
 
@@ -47,3 +50,14 @@ class Collectives:
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
+
+    def _cpu_pipeline_group(self) -> Any:
+        """The engine reads headers and status on the CPU: with NCCL it needs gloo groups over the same ranks."""
+        if dist.get_backend(self._pp_group) == "gloo":
+            return self._pp_group
+        K, mine = self.pipeline_parallel_size, None
+        for start in range(0, self.world_size, K):  # new_group is collective over the world: all create all
+            group = dist.new_group(list(range(start, start + K)), backend="gloo")
+            if start <= self.global_rank < start + K:
+                mine = group
+        return mine

@@ -95,3 +95,17 @@ def make_input(kind: str, N: int, T: int | None = None, seed: int = 0) -> torch.
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
+
+
+class Busy(nn.Module):
+    """A layer about 100x costlier than a Linear(8, 8), so that balance="time" must isolate it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.eye(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.repeat(1, 8)
+        for _ in range(100):
+            h = h @ self.w
+        return h[:, : x.shape[1]]

@@ -12,20 +12,6 @@ import models
 from launch import run_distributed
 
 
-class Busy(nn.Module):
-    """A layer about 100x costlier than a Linear(8, 8), so that balance="time" must isolate it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.eye(64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.repeat(1, 8)
-        for _ in range(100):
-            h = h @ self.w
-        return h[:, : x.shape[1]]
-
-
 def _error(build) -> str:
     try:
         build()
@@ -35,7 +21,7 @@ def _error(build) -> str:
 
 
 def setup_worker(rank: int, world_size: int) -> dict[str, object]:
-    timed = nn.Sequential(Busy(), *[nn.Linear(8, 8) for _ in range(5)])
+    timed = nn.Sequential(models.Busy(), *[nn.Linear(8, 8) for _ in range(5)])
     out: dict[str, object] = {
         # Profiled timings differ per process; the split must not.
         "time": PipelineStage(timed, balance="time", sample=torch.randn(4, 8)).balance,

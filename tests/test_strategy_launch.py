@@ -18,6 +18,8 @@ def _run(command: list[str], out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The strategy destroyed the process groups before the interpreter's teardown (gloo aborts otherwise).
+    assert [Path(f"{out}.{rank}.exit").read_text() for rank in range(2)] == ["False", "False"]
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 

@@ -123,16 +123,30 @@ def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
 
 
-def costs_by_time(module: nn.Sequential, sample: Any, *, repeat: int = 3, warmup: int = 1) -> list[float]:
+def _home(layer: nn.Module) -> torch.device | None:
+    first = next(iter([*layer.parameters(), *layer.buffers()]), None)
+    return None if first is None else first.device
+
+
+def costs_by_time(
+    module: nn.Sequential, sample: Any, *, repeat: int = 3, warmup: int = 1, device: torch.device | None = None
+) -> list[float]:
     """c_i = median seconds of layer i's forward + backward on `sample`, fed through the preceding layers.
 
-    Leaves the module as it found it: buffers (BatchNorm statistics), .grad and the RNG streams are restored.
+    With ``device``, each layer is moved there for its timing and back afterwards, so a model too large for one
+    device can still be profiled on it. Leaves the module as it found it: buffers (BatchNorm statistics), .grad,
+    devices and the RNG streams are restored.
     """
     if repeat < 1 or warmup < 0:
         raise ValueError(f"repeat must be ≥ 1 and warmup ≥ 0, got repeat={repeat}, warmup={warmup}")
+    if device is not None:
+        device = torch.device(device)
+        sample = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample)
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
     cuda = sorted({t.get_device() for t in tensors if t.device.type == "cuda"})
+    if device is not None and device.type == "cuda":
+        cuda = sorted({*cuda, device.index if device.index is not None else torch.cuda.current_device()})
 
     def sync() -> None:
         for d in cuda:
@@ -142,6 +156,7 @@ def costs_by_time(module: nn.Sequential, sample: Any, *, repeat: int = 3, warmup
     params = list(module.parameters())
     grads = [p.grad for p in params]
     costs: list[float] = []
+    layer, home = None, None
     try:
         # Profiling must not shift the caller's random streams (dropout), or a 'time' run would train differently.
         with torch.random.fork_rng(devices=cuda), torch.enable_grad():
@@ -149,6 +164,9 @@ def costs_by_time(module: nn.Sequential, sample: Any, *, repeat: int = 3, warmup
                 p.grad = None
             x = sample
             for layer in module:
+                home = _home(layer)
+                if device is not None and home is not None:
+                    layer.to(device)
                 times = []
                 for run in range(warmup + repeat):
                     inputs = tree_map(_as_input, x)
@@ -170,7 +188,12 @@ def costs_by_time(module: nn.Sequential, sample: Any, *, repeat: int = 3, warmup
                 # The gradients are a by-product; dropping them keeps peak memory at one layer's worth.
                 for p in layer.parameters():
                     p.grad = None
+                if device is not None and home is not None:
+                    layer.to(home)
+                layer = None
     finally:
+        if layer is not None and device is not None and home is not None:
+            layer.to(home)
         with torch.no_grad():
             for name, b in module.named_buffers():
                 if name in buffers:

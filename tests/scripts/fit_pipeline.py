@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import warnings
@@ -9,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,6 +25,8 @@ def main(out: str, num_nodes: int = 1, devices: int = 2) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     module = lightning_module()
+    # Registered before fit, so it runs after the strategy's own exit handler (atexit runs last-in, first-out).
+    atexit.register(lambda: Path(f"{out}.{trainer.global_rank}.exit").write_text(str(dist.is_initialized())))
     trainer = quiet_trainer(
         devices=devices,
         num_nodes=num_nodes,
