@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,14 @@ def time_balance(module: nn.Module, backbone: nn.Sequential, K: int, chunks: int
     return solve(costs_by_time(backbone, micro_batch, device=device), K)
 
 
+def _picklable(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
 def agreed_time_balance(
     module: nn.Module,
     backbone: nn.Sequential,
@@ -96,8 +105,8 @@ def agreed_time_balance(
     if rank == 0:
         try:
             result[0] = time_balance(module, backbone, K, chunks, device)
-        except (ValueError, TypeError, RuntimeError) as e:
-            result[1] = e
+        except Exception as e:  # any error in the user's forward: the other ranks wait in the broadcast below
+            result[1] = e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")
     result = broadcast(result)
     if result[1] is not None:
         raise result[1]

@@ -107,21 +107,32 @@ def test_time_balance_splits_alike_on_every_rank_and_trains_exactly() -> None:
         assert r["err"] <= 1e-6, results
 
 
-def no_example_worker(rank: int, world_size: int) -> str:
+def bad_example_worker(rank: int, world_size: int, example: torch.Tensor | None) -> str:
     from lightning_gpipe import GPipeStrategy
 
     warnings.simplefilter("ignore")
+    module = Timed()
+    module.example_input_array = example
     trainer = quiet_trainer(devices=world_size, strategy=GPipeStrategy(chunks=2, balance="time"), max_steps=1)
     try:
-        trainer.fit(Timed(example=False), DataLoader(dataset(), batch_size=BATCH))
-    except ValueError as e:
-        return str(e)
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
 
 
 @pytest.mark.timeout(120)
 def test_time_balance_without_an_example_input_fails_on_every_rank() -> None:
-    assert run_distributed(no_example_worker, 2, timeout=100, lightning=True) == [NO_EXAMPLE] * 2
+    assert (
+        run_distributed(bad_example_worker, 2, None, timeout=100, lightning=True) == [f"ValueError: {NO_EXAMPLE}"] * 2
+    )
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_forward_on_rank_0_is_raised_on_every_rank() -> None:
+    """Only rank 0 runs the example through forward: the others must not wait for it until the timeout."""
+    errors = run_distributed(bad_example_worker, 2, torch.randn(BATCH, D + 1), timeout=100, lightning=True)
+    assert len(set(errors)) == 1 and "RuntimeError" in errors[0] and "shapes cannot be multiplied" in errors[0], errors
 
 
 def test_the_backbone_input_is_taken_without_changing_state_streams_or_modes() -> None:
