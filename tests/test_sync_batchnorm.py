@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
+import time
 from collections import Counter
 from typing import Any
 
@@ -190,12 +192,13 @@ def check_pipeline(K: int, modes: list[str]) -> None:
             assert not bad, (where, bad)
             synced, layers = result["layers"]
             assert synced == layers == len(BNS) // K, where
-            # Per BN and micro-batch: 2 all-reduces forward (sum, M2), 2 backward, 2 again per recompute; one
-            # all_gather per step merges the running statistics of all layers; none in eval.
+            # Per BN and micro-batch: 2 all-reduces forward (sum, M2), 2 backward, 2 again per recompute; per
+            # step, one all_gather compares M across replicas and one merges the running statistics of all layers;
+            # none in eval.
             steps = len(SIZES[case])
             assert result["counts"]["forward"] == [2 * M * layers] * steps, where
             assert result["counts"]["backward"] == [2 * (M + recomputed[mode]) * layers] * steps, where
-            assert result["counts"]["gather"] == [1] * steps, where
+            assert result["counts"]["gather"] == [2] * steps, where
             assert result["counts"]["eval"] == [0], where
             for stats in result["stats"].values():
                 assert stats[2] == steps, where  # committed once per step, never by a recompute
@@ -295,3 +298,26 @@ def test_synced_forward_outside_pipeline_is_sync_batch_norm() -> None:
         assert result["tracked"] == (2, 4) and result["deferred_until_commit"] and result["eval_collectives"] == 0
         bad = {k: v for k, v in result["errs"].items() if v > TOL}
         assert not bad, bad
+
+
+def different_m_worker(rank: int, world_size: int, K: int) -> str:
+    pipe_group, dp_group = mesh(rank, world_size, K)
+    stage = PipelineStage(backbone(), chunks=M, balance=BALANCE[K], group=pipe_group, output="last", timeout=60)
+    sync_deferred_batch_norm(stage, dp_group)
+    x, _ = data(0, rank // K, 6 if rank < K else 2)  # replica 1 gets 2 samples: M = 2, against 3 on replica 0
+    try:
+        with pytest.warns(UserWarning, match="fewer than chunks") if rank == K else contextlib.nullcontext():
+            stage(x)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("K", [1, 2])
+def test_replicas_with_different_m_fail_at_once_instead_of_falling_out_of_step(K: int) -> None:
+    start = time.monotonic()
+    errors = run_distributed(different_m_worker, 2 * K, K, timeout=100)
+    assert time.monotonic() - start < 50  # the collectives' timeout is 60 s: this is an error, not a timeout
+    for error in errors:
+        assert "M = [3, 2], one per replica" in error and "lower chunks" in error, errors

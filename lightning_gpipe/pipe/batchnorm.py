@@ -17,6 +17,7 @@ from lightning_gpipe.pipe.sync_batchnorm import Moments, merge_moments, sync_bat
 
 __all__ = [
     "DeferredBatchNorm",
+    "check_replicas_run_the_same_m",
     "commit_deferred_batch_norm",
     "convert_deferred_batch_norm",
     "deferred_statistics",
@@ -244,6 +245,28 @@ def commit_deferred_batch_norm(module: nn.Module) -> None:
     for group, norms in synced.values():
         for bn, moments in zip(norms, merge_moments([bn._moments() for bn in norms], group)):
             bn._fold(*moments)
+
+
+def check_replicas_run_the_same_m(module: nn.Module, M: int, device: torch.device) -> None:
+    """Synced BatchNorm issues collectives per micro-batch: replicas running different M would fall out of step and
+    wait until the timeout, so they first compare M (one all_gather per group, only while a synced layer trains)."""
+    groups = {
+        id(bn.sync_group): bn.sync_group
+        for bn in module.modules()
+        if isinstance(bn, DeferredBatchNorm) and bn.sync_group is not None and bn.training
+    }
+    for group in groups.values():
+        mine = torch.tensor([M], device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        counts = [int(t.item()) for t in every]
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"sync_batchnorm: the data-parallel replicas would split their batches into different numbers of "
+                f"micro-batches (M = {counts}, one per replica), and synced BatchNorm needs the same M on every "
+                "replica. A replica got fewer samples than chunks: give every replica the same batch size (Lightning's "
+                "DistributedSampler does; drop_last=True avoids a short last batch), or lower chunks"
+            )
 
 
 def sync_deferred_batch_norm(module: nn.Module, group: dist.ProcessGroup | None) -> int:

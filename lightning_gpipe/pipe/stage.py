@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_gpipe.pipe.batchnorm import (
+    check_replicas_run_the_same_m,
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
     deferred_statistics,
@@ -232,6 +233,8 @@ class PipelineStage(FailureHandling, nn.Module):
                     x = micro_inputs[m]
                 else:
                     x, M, step.seed = self._receive(m, training=True)
+                if m == 0:
+                    check_replicas_run_the_same_m(self, M, self._device)
                 ckpt = is_checkpointed(self._checkpoint, m, M)
                 state = ForwardState.capture([self._device]) if ckpt else None
                 with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
