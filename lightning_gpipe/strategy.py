@@ -355,6 +355,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
             # drives the pipeline, and a head after the backbone must not collect K copies of its gradient.
             if self.stage.is_last:
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            self._trace_loss()
             self.stage.backward()
         if not self._sync_blocked:
             with self.stage.timeline.record("reduce"):

@@ -67,6 +67,15 @@ class TraceHooks:
         dist.barrier(group=self._header_group)
         self._trace_origin, self._trace_step = time.perf_counter_ns(), step
 
+    def _trace_loss(self) -> None:
+        """Just before the backward phase: the time since the forward phase ended went to the loss."""
+        timeline = self.stage.timeline
+        if self._trace_origin is None or not timeline.enabled:
+            return
+        forward = [e for e in timeline.events if e.kind == "step" and e.label == "forward"]
+        if forward:
+            timeline.events.append(Event("loss", timeline.stage, -1, forward[-1].end_ns, timeline.now()))
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.trace_dir is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]

@@ -121,10 +121,15 @@ def test_strategy_traces_the_chosen_steps_of_every_stage(tmp_path: Path) -> None
     assert stats["theoretical_bubble"] == pytest.approx(1 / (M + 1))
     for k in (0, 1):
         mine = [e for e in events if e.stage == k]
-        count = {kind: sum(e.kind == kind for e in mine) for kind in ("forward", "recompute", "backward", "update")}
-        # except_last: the last micro-batch keeps its graph; one reduction and one update per step.
-        assert count == {"forward": M, "recompute": M - 1, "backward": M, "update": 1}, (k, count)
-        assert sum(e.kind == "reduce" for e in mine) == 1
+        kinds = ("forward", "recompute", "backward", "loss", "reduce", "update")
+        count = {kind: sum(e.kind == kind for e in mine) for kind in kinds}
+        # except_last: the last micro-batch keeps its graph; one loss, one reduction and one update per step.
+        assert count == {"forward": M, "recompute": M - 1, "backward": M, "loss": 1, "reduce": 1, "update": 1}
+        # The loss fills the gap between the phases exactly.
+        phases = {e.label: e for e in mine if e.kind == "step"}
+        loss = next(e for e in mine if e.kind == "loss")
+        assert phases["forward"].end_ns == loss.start_ns <= loss.end_ns <= phases["backward"].start_ns
+        assert stats["stages"][str(k)]["loss_ms"] > 0
         assert 0.0 < stats["stages"][str(k)]["bubble"] < 1.0
     # Stage 1 computes micro-batch m only after stage 0 finished it: the two clocks line up.
     first = {k: next(e for e in events if (e.stage, e.kind, e.micro_batch) == (k, "forward", 0)) for k in (0, 1)}

@@ -14,6 +14,7 @@ COLORS = {
     "forward": "#4C78A8",
     "recompute": "#F58518",
     "backward": "#54A24B",
+    "loss": "#EECA3B",
     "update": "#B279A2",
     "reduce": "#9D755D",
     "recv-wait": "#BAB0AC",

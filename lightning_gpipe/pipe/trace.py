@@ -11,8 +11,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 # Event kinds a stage records; "step" spans one whole forward or backward phase. The Lightning strategy adds
-# "reduce" (gradient reductions over replicas and tied weights) and "update" (clipping and the optimizer step).
-KINDS = ("forward", "recompute", "backward", "send", "recv-wait", "send-wait", "step", "reduce", "update")
+# "loss" (from the end of the forward phase to the start of the backward phase: the user's loss, and on the last
+# stage its backward), "reduce" (gradient reductions over replicas and tied weights) and "update" (clipping and
+# the optimizer step).
+KINDS = ("forward", "recompute", "backward", "send", "recv-wait", "send-wait", "step", "loss", "reduce", "update")
 
 
 @dataclass(frozen=True)
