@@ -121,10 +121,12 @@ def test_strategy_traces_the_chosen_steps_of_every_stage(tmp_path: Path) -> None
     assert stats["theoretical_bubble"] == pytest.approx(1 / (M + 1))
     for k in (0, 1):
         mine = [e for e in events if e.stage == k]
-        kinds = ("forward", "recompute", "backward", "loss", "reduce", "update")
+        kinds = ("forward", "recompute", "backward", "loss", "status", "reduce", "update")
         count = {kind: sum(e.kind == kind for e in mine) for kind in kinds}
-        # except_last: the last micro-batch keeps its graph; one loss, one reduction and one update per step.
-        assert count == {"forward": M, "recompute": M - 1, "backward": M, "loss": 1, "reduce": 1, "update": 1}
+        # except_last: the last micro-batch keeps its graph; one loss, one reduction and one update per step; one
+        # status check, after the backward phase (the output broadcast ends the forward phase on every stage).
+        once = {"loss": 1, "status": 1, "reduce": 1, "update": 1}
+        assert count == {"forward": M, "recompute": M - 1, "backward": M, **once}, (k, count)
         # The loss fills the gap between the phases exactly.
         phases = {e.label: e for e in mine if e.kind == "step"}
         loss = next(e for e in mine if e.kind == "loss")

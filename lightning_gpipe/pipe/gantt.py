@@ -20,9 +20,10 @@ COLORS = {
     "recv-wait": "#BAB0AC",
     "send-wait": "#D8D2CF",
     "send": "#E45756",
+    "status": "#79706E",
 }
 LETTERS = {"forward": "F", "recompute": "R", "backward": "B"}
-LOWER = ("recv-wait", "send-wait", "send")
+LOWER = ("recv-wait", "send-wait", "send", "status")
 
 
 def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str = "") -> dict[str, Any]:

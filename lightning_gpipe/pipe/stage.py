@@ -254,7 +254,8 @@ class PipelineStage(FailureHandling, nn.Module):
             output = self._join_outputs(step) if self.is_last else None
             output = self._share_output(output)
             if self._status_checked("forward"):
-                self._status.check(None, self._transport.unreceived)
+                with self.timeline.record("status"):
+                    self._status.check(None, self._transport.unreceived)
         self._step = step
         return output
 
@@ -341,7 +342,8 @@ class PipelineStage(FailureHandling, nn.Module):
                 joined = [torch.cat(col) for col in zip(*input_grads)]
                 torch.autograd.backward(step.input_leaves, joined)
             if self._status is not None:
-                self._status.check(None, tr.unreceived)
+                with self.timeline.record("status"):
+                    self._status.check(None, tr.unreceived)
         if tr is not None:
             tr.wait_sends()
 

@@ -10,11 +10,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# Event kinds a stage records; "step" spans one whole forward or backward phase. The Lightning strategy adds
-# "loss" (from the end of the forward phase to the start of the backward phase: the user's loss, and on the last
-# stage its backward), "reduce" (gradient reductions over replicas and tied weights) and "update" (clipping and
-# the optimizer step).
-KINDS = ("forward", "recompute", "backward", "send", "recv-wait", "send-wait", "step", "loss", "reduce", "update")
+# Event kinds a stage records; "step" spans one whole forward or backward phase, "status" is the check at its end
+# that every stage finished it (a small collective, so mostly waiting for the slowest stage).
+ENGINE_KINDS = ("forward", "recompute", "backward", "send", "recv-wait", "send-wait", "step", "status")
+# The Lightning strategy adds "loss" (from the end of the forward phase to the start of the backward phase: the
+# user's loss, and on the last stage its backward), "reduce" (gradient reductions over replicas and tied weights)
+# and "update" (clipping and the optimizer step).
+KINDS = (*ENGINE_KINDS, "loss", "reduce", "update")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from lightning_gpipe.pipe.trace import Event
 
 COMPUTE = ("forward", "recompute", "backward")
 # Every kind a stage records except "step", which spans whole phases and so overlaps the others.
-PARTS = (*COMPUTE, "recv-wait", "send", "send-wait", "loss", "reduce", "update")
+PARTS = (*COMPUTE, "recv-wait", "send", "send-wait", "status", "loss", "reduce", "update")
 
 
 def theoretical_bubble(K: int, M: int) -> float:
