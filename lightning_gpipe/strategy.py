@@ -13,6 +13,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -177,6 +178,9 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         rank_zero_only.rank = self.global_rank
 
     def setup_environment(self) -> None:
+        # Lightning's launcher sets cpus // devices threads in its own process only, after starting the others,
+        # which keep torch's default (all cores): every stage gets the same share instead.
+        _set_num_threads_if_needed(num_processes=max(1, self.num_processes))
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()

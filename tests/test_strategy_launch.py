@@ -14,8 +14,10 @@ import pytest
 SCRIPT = Path(__file__).parent / "scripts" / "fit_pipeline.py"
 
 
-def _run(command: list[str], out: Path) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(command: list[str], out: Path, threads: str | None = "1") -> list[dict]:
+    env = {key: v for key, v in os.environ.items() if key != "OMP_NUM_THREADS"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # The strategy destroyed the process groups before the interpreter's teardown (gloo aborts otherwise).
@@ -52,8 +54,11 @@ def test_torchrun(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(260)
 def test_lightning_launcher(tmp_path: Path) -> None:
+    """OMP_NUM_THREADS unset: the launcher's process and the one it starts get the same share of the cores."""
     out = tmp_path / "result"
-    _check(_run([sys.executable, str(SCRIPT), str(out)], out))
+    results = _run([sys.executable, str(SCRIPT), str(out)], out, threads=None)
+    _check(results)
+    assert len({r["threads"] for r in results}) == 1, results
 
 
 @pytest.mark.timeout(260)

@@ -23,7 +23,6 @@ def main(out: str, num_nodes: int = 1, devices: int = 2) -> None:
     from lightning_gpipe import GPipeStrategy
 
     warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
     module = lightning_module()
     # Registered before fit, so it runs after the strategy's own exit handler (atexit runs last-in, first-out).
     atexit.register(lambda: Path(f"{out}.{trainer.global_rank}.exit").write_text(str(dist.is_initialized())))
@@ -41,6 +40,7 @@ def main(out: str, num_nodes: int = 1, devices: int = 2) -> None:
         "err": err,
         "stage": trainer.strategy.stage.stage,
         "environment": type(trainer.strategy.cluster_environment).__name__,
+        "threads": torch.get_num_threads(),
     }
     Path(f"{out}.{trainer.global_rank}").write_text(json.dumps(result))
 
