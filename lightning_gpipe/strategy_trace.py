@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,9 +39,10 @@ class TraceHooks:
 
     A traced step runs from the first ``training_step`` of an optimizer step (all its accumulation micro-steps
     included) to the end of ``optimizer_step``. Only the first data-parallel replica traces, so the others run
-    undisturbed; its stages meet in a barrier first and measure time from there, which lines up stages on
-    different hosts too. Stage 0 writes ``step_<N>.json`` (chrome://tracing, Perfetto; the time breakdown in its
-    ``otherData``) and ``step_<N>.png``.
+    undisturbed; its stages meet in a barrier first and measure time from there: stages on stage 0's host from
+    its origin (one clock, exact), stages on other hosts from their own (to within the barrier's skew). Stage 0
+    writes ``step_<N>.json`` (chrome://tracing, Perfetto; the time breakdown in its ``otherData``) and
+    ``step_<N>.png``.
     """
 
     trace_dir: str | None
@@ -65,7 +67,16 @@ class TraceHooks:
         timeline.enabled = True
         timeline.now()  # let the previous step's queued GPU work finish before the clocks are lined up
         dist.barrier(group=self._header_group)
-        self._trace_origin, self._trace_step = time.perf_counter_ns(), step
+        self._trace_origin, self._trace_step = self._shared_origin(time.perf_counter_ns()), step
+
+    def _shared_origin(self, mine: int) -> int:
+        """Stages on stage 0's host share its monotonic clock, so they take its origin and line up exactly; stages
+        elsewhere keep their own, taken as they left the barrier (aligned to within its release skew)."""
+        here = (socket.gethostname(), mine)
+        every: list[Any] = [None] * dist.get_world_size(self._header_group)
+        dist.all_gather_object(every, here, group=self._header_group)
+        host, origin = every[0]
+        return origin if host == here[0] else mine
 
     def _trace_loss(self) -> None:
         """Just before the backward phase: the time since the forward phase ended went to the loss."""
