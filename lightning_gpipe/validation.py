@@ -111,7 +111,9 @@ def batch_fingerprint(batch: Any) -> int:
     computed: ranks with other thread counts or devices agree. The order of samples and a flip within a row count.
     """
     leaves = tensors(batch)
-    sums = torch.stack([_weighted_row_sum(_rows(t)).cpu() for t in leaves]).tolist() if leaves else []
+    # One host transfer per step: the sums stay on the batch's device until they are stacked.
+    on_device = [_weighted_row_sum(_rows(t)) for t in leaves]
+    sums = torch.stack([v.to(on_device[0].device) for v in on_device]).cpu().tolist() if leaves else []
     described = [(tuple(t.shape), str(t.dtype), s) for t, s in zip(leaves, sums, strict=True)]
     digest = hashlib.blake2b(repr(described).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
