@@ -49,13 +49,20 @@ DP_CASES: dict[str, tuple[list, int]] = {
     "none-grad-on-one-rank": (MIXED, 128),
     "bf16-and-fp32": ([((8,), BF16), ((3, 3), F32), ((2, 5), BF16), ((11,), F32)], 2**20),
     "buffers-reused": (MIXED, 200),
+    # As DDP: a grad None on every replica stays None (optimizers then skip the parameter: no momentum, no decay).
+    "none-grad-everywhere": (MIXED, 128),
+    # Frozen at construction, unfrozen later: still averaged once it has gradients.
+    "unfrozen-after-construction": (MIXED, 128),
 }
 
 
 def _dp_case(name: str, rank: int, world_size: int) -> dict:
     specs, bucket_bytes = DP_CASES[name]
     params = params_like(specs)
+    if name == "unfrozen-after-construction":
+        params[1].requires_grad_(False)
     sync = BucketedAllReduce(params, dist.group.WORLD, bucket_bytes=bucket_bytes)
+    params[1].requires_grad_(True)
     info = {"num_buckets": sync.num_buckets, "sizes": [len(b) for b in sync.buckets]}
     for step in range(2 if name == "buffers-reused" else 1):
         per_rank = [random_grads(specs, seed=100 * step + r) for r in range(world_size)]
@@ -66,9 +73,14 @@ def _dp_case(name: str, rank: int, world_size: int) -> dict:
             p.grad = per_rank[rank][i].t().contiguous().t() if p.dim() == 2 else per_rank[rank][i].clone()
         if name == "none-grad-on-one-rank" and rank == 1:
             params[2].grad = None
+        if name == "none-grad-everywhere":
+            params[2].grad = params[4].grad = None
         grads_before = [p.grad for p in params]
         sync()
         for i, p in enumerate(params):
+            if name == "none-grad-everywhere" and i in (2, 4):
+                assert p.grad is None, i
+                continue
             exact(p.grad, mean_of([grads[i] for grads in per_rank]))
             if grads_before[i] is not None:
                 assert p.grad is grads_before[i], "grads are updated in place"
@@ -132,12 +144,13 @@ REPLICATED = [((5, 3), F32), ((4,), F32), ((2, 2), BF16), ((6,), F32)]
 
 
 def _replicated_grads(rank: int, world_size: int) -> list[torch.Tensor | None]:
-    """Param 0 is used by the first stage only, 1 by the last only, 2 and 3 by every stage."""
+    """Param 0 is used by the first stage only, 1 by the last only, 2 by every stage, 3 by none."""
     grads: list[torch.Tensor | None] = list(random_grads(REPLICATED, seed=rank))
     if rank != 0:
         grads[0] = None
     if rank != world_size - 1:
         grads[1] = None
+    grads[3] = None
     return grads
 
 
@@ -148,6 +161,9 @@ def _sum_check(rank: int, world_size: int) -> bool:
     sum_over_pipeline(params, dist.group.WORLD)
     per_rank = [_replicated_grads(r, world_size) for r in range(world_size)]
     for i, p in enumerate(params):
+        if i == 3:  # None on every stage: stays None
+            assert p.grad is None
+            continue
         want = sum((grads[i] for grads in per_rank if grads[i] is not None), torch.zeros_like(p))
         exact(p.grad, want)
     return True
@@ -277,16 +293,23 @@ def _mesh_check(rank: int, world_size: int) -> bool:
     BucketedAllReduce(owned + replicated, dp_groups[stage], bucket_bytes=96)()
     norm = clip_grad_norm_(owned, replicated, 1.0, 2.0, pp_groups[replica], count_replicated=stage == 0)
 
-    # The reference: each replica's whole model, averaged over replicas (None grads average as zeros), then clipped.
+    # The reference: each replica's whole model, averaged over replicas (a None grad averages as zeros where another
+    # replica has one, and stays None where none has: DDP's rule), then clipped.
     refs = [_reference(lambda s, r=r: grads_of(s, r), stages)[0] for r in range(replicas)]
     ref = [nn.Parameter(q.detach().clone()) for q in refs[0]]
     for i, q in enumerate(ref):
-        q.grad = mean_of([m[i].grad if m[i].grad is not None else torch.zeros_like(q) for m in refs])
+        grads = [m[i].grad for m in refs]
+        if all(g is None for g in grads):
+            continue
+        q.grad = mean_of([g if g is not None else torch.zeros_like(q) for g in grads])
     exact(norm, torch.nn.utils.clip_grad_norm_(ref, 1.0, 2.0))
     start = sum(len(STAGES[s]) for s in range(stage))
     mine = ref[start : start + len(STAGES[stage])] + ref[-len(EMBED_HEAD) :]
     for q, r in zip(owned + replicated, mine):
-        exact(q.grad, r.grad)
+        assert (q.grad is None) == (r.grad is None)
+        if r.grad is not None:
+            exact(q.grad, r.grad)
+    assert stage == 0 or any(q.grad is None for q in owned), "the case of a grad None everywhere is exercised"
     return True
 
 

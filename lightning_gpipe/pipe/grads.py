@@ -18,10 +18,14 @@ _Key = tuple[torch.dtype, torch.device]
 
 def _trainable(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     # Tied parameters appear once, or their gradient would be packed (and clipped) twice; frozen ones never get grads.
+    return [p for p in _unique(params) if p.requires_grad]
+
+
+def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     seen: set[int] = set()
     out = []
     for p in params:
-        if p.requires_grad and id(p) not in seen:
+        if id(p) not in seen:
             seen.add(id(p))
             out.append(p)
     return out
@@ -31,8 +35,29 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _mask_device(group: dist.ProcessGroup) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def used_somewhere(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> list[nn.Parameter]:
+    """The ``params`` whose gradient is not None on at least one rank of ``group`` (one small all-reduce).
+
+    As with DDP, a gradient that is None on every rank stays None, so optimizers skip the parameter (no momentum or
+    weight decay from a made-up zero): a parameter frozen mid-run or one this step never used. Every rank of the
+    group passes the same parameters in the same order.
+    """
+    if not params:
+        return []
+    flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    flags = flags.to(_mask_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [p for p, used in zip(params, flags.tolist()) if used]
+
+
 def _ensure_grad(p: nn.Parameter) -> torch.Tensor:
-    # A rank that did not touch p must still contribute (zeros) so that every rank issues identical collectives.
+    # Another rank has a gradient for p: this one contributes zeros, so that every rank issues identical collectives.
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad
@@ -65,13 +90,15 @@ def _unpack(params: Sequence[nn.Parameter], buffer: torch.Tensor) -> None:
 def sum_over_pipeline(params: Sequence[nn.Parameter], pp_group: dist.ProcessGroup | None) -> None:
     """SUM the gradients of replicated ``params`` over ``pp_group``, one fused all-reduce per dtype and device.
 
-    Every stage passes the same replicated parameters in the same order. A None grad counts as zeros and is a tensor
-    afterwards. No-op if ``pp_group`` is None or has size 1.
+    Every stage passes the same replicated parameters in the same order. A None grad counts as zeros (and is a tensor
+    afterwards) where another stage has one; a grad that is None on every stage stays None. No-op if ``pp_group`` is
+    None or has size 1.
     """
     if _group_size(pp_group) == 1:
         return
+    assert pp_group is not None
     pending = []
-    for (dtype, device), group in _by_dtype_device(_trainable(params)).items():
+    for (dtype, device), group in _by_dtype_device(used_somewhere(_unique(params), pp_group)).items():
         buffer = torch.empty(sum(p.numel() for p in group), dtype=dtype, device=device)
         _pack(group, buffer)
         pending.append((group, buffer, dist.all_reduce(buffer, group=pp_group, async_op=True)))
@@ -86,10 +113,11 @@ class BucketedAllReduce:
 
     Gradients are packed into flat buffers of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own),
     grouped by dtype and device; each bucket is one asynchronous all-reduce(SUM), so the communication of one bucket
-    overlaps the packing of the next, then divided by the dp size and unpacked. Parameters whose grad is None get a
-    zero grad first, so every replica issues the same collectives in the same order. The flat buffers are allocated
-    on the first call and reused; the plan is rebuilt if a parameter changed dtype or device (module moved after
-    construction). Every replica must pass the same parameters in the same order.
+    overlaps the packing of the next, then divided by the dp size and unpacked. As DDP does, only parameters with a
+    gradient on some replica take part (see :func:`used_somewhere`): one that has none here gets a zero grad, one
+    that has none anywhere (frozen, even mid-run, or unused this step) keeps None. The flat buffers are allocated on
+    the first call and reused; the plan is rebuilt when the set of parameters taking part, or a dtype or device,
+    changes. Every replica must pass the same parameters in the same order.
     """
 
     def __init__(
@@ -100,22 +128,23 @@ class BucketedAllReduce:
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.params = _trainable(params)
+        # Not filtered by requires_grad: a parameter unfrozen after setup must still be averaged.
+        self.params = _unique(params)
         self.dp_group = dp_group
         self.bucket_bytes = bucket_bytes
-        self._plan_keys: list[_Key] = []
+        self._plan_keys: list[tuple[int, torch.dtype, torch.device]] = []
         self.buckets: list[list[nn.Parameter]] = []
         self.buffers: list[torch.Tensor | None] = []
-        self._plan()
+        self._plan(_trainable(self.params))
 
     @property
     def num_buckets(self) -> int:
         return len(self.buckets)
 
-    def _plan(self) -> None:
-        self._plan_keys = [(p.dtype, p.device) for p in self.params]
+    def _plan(self, params: list[nn.Parameter]) -> None:
+        self._plan_keys = [(id(p), p.dtype, p.device) for p in params]
         self.buckets = []
-        for group in _by_dtype_device(self.params).values():
+        for group in _by_dtype_device(params).values():
             bucket: list[nn.Parameter] = []
             size = 0
             for p in group:
@@ -141,8 +170,10 @@ class BucketedAllReduce:
         world = _group_size(self.dp_group)
         if world == 1:
             return
-        if [(p.dtype, p.device) for p in self.params] != self._plan_keys:
-            self._plan()
+        assert self.dp_group is not None
+        active = used_somewhere(self.params, self.dp_group)
+        if [(id(p), p.dtype, p.device) for p in active] != self._plan_keys:
+            self._plan(active)
         pending = []
         for i, bucket in enumerate(self.buckets):
             buffer = self._buffer(i)
