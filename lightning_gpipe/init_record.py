@@ -1,0 +1,288 @@
+"""Record what ``configure_model()`` does to the tensors it creates on the meta device; replay it for one tensor.
+
+On the meta device a model has shapes but no values: every initializer its constructors ran (a torchvision
+ResNet's kaiming loop, timm's ``init_weights`` with its zeroed residual BatchNorms, ``nn.Linear``'s own
+``reset_parameters``) was a no-op. Calling ``reset_parameters()`` afterwards gives each module *torch's* default,
+not the model's. So while ``configure_model()`` runs, :func:`record_init` notes every torch call that creates or
+writes a meta tensor, with its arguments; :meth:`InitRecord.replay` later re-runs, on the real device, exactly the
+calls that made one tensor's storage what it is (its creation, the writes to it, and what those read), and nothing
+of the other stages. Each call that draws random numbers is seeded from the run's seed and the call's index in the
+record, which every rank and every layout shares: the same weights whatever the number of stages.
+
+What the recorder cannot see it reports (:class:`Unreplayable`) instead of guessing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# Creations that leave the values undefined: a parameter made so and never written was initialized by something
+# the recorder did not see (an initializer that skips meta tensors), or by nothing.
+_EMPTY = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
+
+
+# Tensor methods that set every element of their tensor whatever it held (torch.nn.init's functions all do too).
+_FILLS = tuple(f".{n}" for n in ("normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "bernoulli_"))
+
+
+class Unreplayable(Exception):
+    """The recorded initialization of a tensor cannot be reproduced; the message says why."""
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """A meta tensor as a call saw it: its storage, and the view of that storage it was at that moment."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: the same tensor, not equal values
+class _Real:
+    """A tensor with data passed to a recorded call (e.g. a CPU tensor copied into the model), and its version."""
+
+    tensor: Tensor
+    version: int
+
+
+@dataclass
+class _Call:
+    func: Callable[..., Any]
+    args: Any  # (args, kwargs) with meta tensors as _Meta and real ones as _Real
+    default_dtype: torch.dtype
+    outputs: list[_Meta | None]  # each output leaf: the storage it created, or None
+
+
+def _key(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _meta(t: Tensor) -> _Meta:
+    nbytes = t.untyped_storage().nbytes()
+    return _Meta(_key(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, nbytes)
+
+
+def _name(func: Callable[..., Any]) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + zlib.crc32(f"init call {index}".encode())) % 2**63
+
+
+class InitRecord:
+    """The calls of one ``configure_model()`` that created or wrote meta tensors, in order."""
+
+    def __init__(self, known: Iterable[Tensor] = ()) -> None:
+        self.calls: list[_Call] = []
+        self.created: dict[int, tuple[int, int]] = {}  # storage → (call index, output leaf)
+        self.writes: dict[int, list[int]] = {}  # storage → indices of the calls that wrote it
+        # Storages whose writes are recorded: those made here, and ``known`` ones made before. Holding them keeps
+        # every key unique (a freed storage's address could come back).
+        self._alive: dict[int, torch.UntypedStorage] = {_key(t): t.untyped_storage() for t in known}
+        self._unit_depth = 0
+
+    # ------------------------------------------------------------------------------------------------ recording
+    def call(self, func: Callable[..., Any], args: tuple, kwargs: dict, unit: bool = False) -> Any:
+        """Run ``func`` and record it if it created or wrote a meta tensor. A ``unit`` (a torch.nn.init
+        function) is recorded as one call, the calls inside it not at all, and always writes its first argument:
+        some of them return early on meta tensors, leaving no trace but their arguments."""
+        # A unit runs under the mode (it is called from user code), so its own bookkeeping must pass through too.
+        self._unit_depth += unit
+        try:
+            leaves = tree_flatten((args, kwargs))[0]
+            metas = [t for t in leaves if isinstance(t, Tensor) and t.is_meta]
+            if not metas and unit:
+                return func(*args, **kwargs)
+            try:  # taken before the call: an in-place view (t_()) changes how its tensor sees the storage
+                seen = {id(t): _meta(t) for t in metas}
+            except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass): nothing to replay from
+                return func(*args, **kwargs)
+            versions = [t._version for t in metas]
+            out = func(*args, **kwargs)
+            written = {seen[id(t)].key for t, v in zip(metas, versions, strict=True) if t._version != v}
+            if unit:
+                first = args[0] if args else kwargs.get("tensor")
+                if isinstance(first, Tensor) and first.is_meta:
+                    written.add(seen[id(first)].key)
+            outputs: list[_Meta | None] = []
+            for leaf in tree_flatten(out)[0]:
+                new = isinstance(leaf, Tensor) and leaf.is_meta and _key(leaf) not in self._alive
+                outputs.append(_meta(leaf) if new else None)
+                if new:
+                    self._alive[_key(leaf)] = leaf.untyped_storage()
+            written &= self._alive.keys()  # a storage made outside configure_model() has no history to replay
+            if written or any(outputs):
+                self._append(func, args, kwargs, seen, outputs, written)
+            return out
+        finally:
+            self._unit_depth -= unit
+
+    def _append(
+        self, func: Callable[..., Any], args: tuple, kwargs: dict, seen: dict[int, _Meta], outputs: list, written: set
+    ) -> None:
+        index = len(self.calls)
+
+        def spec(x: Any) -> Any:
+            if isinstance(x, Tensor):
+                return seen[id(x)] if x.is_meta else _Real(x, x._version)
+            return x
+
+        self.calls.append(_Call(func, tree_map(spec, (args, kwargs)), torch.get_default_dtype(), outputs))
+        for leaf_index, o in enumerate(outputs):
+            if o is not None:
+                self.created[o.key] = (index, leaf_index)
+        for key in written:
+            self.writes.setdefault(key, []).append(index)
+
+    # ------------------------------------------------------------------------------------------------ replaying
+    def knows(self, t: Tensor) -> bool:
+        return t.is_meta and _key(t) in self.created
+
+    def write_calls(self, t: Tensor) -> list[tuple[Callable[..., Any], Any]]:
+        """The calls that wrote ``t``'s storage, each as (function, (args, kwargs)) with tensors as seen."""
+        return [(self.calls[i].func, self.calls[i].args) for i in self.writes.get(_key(t), [])]
+
+    def overwritten_alone(self, t: Tensor) -> bool:
+        """Whether the first write to ``t``'s storage replaced all of it, and no write read another meta storage:
+        then its value depends on these writes only, not on its creation nor on any other tensor."""
+        key = _key(t)
+        index = self.writes.get(key, [None])[0]
+        if index is None or key not in self.created:
+            return False
+        made = self.calls[self.created[key][0]].outputs[self.created[key][1]]
+        first = self.calls[index]
+        leaves = tree_flatten(first.args)[0]
+        target = leaves[0] if leaves else None
+        whole = isinstance(target, _Meta) and made is not None and target == made
+        fills = getattr(first.func, "__module__", None) == "torch.nn.init" or _name(first.func).endswith(_FILLS)
+        reads = {x.key for i in self.writes[key] for x in tree_flatten(self.calls[i].args)[0] if isinstance(x, _Meta)}
+        return whole and fills and reads == {key}
+
+    def replay(self, t: Tensor, device: torch.device, seed: int) -> tuple[Tensor, str | None]:
+        """Meta tensor ``t`` on ``device``, as configure_model() left it, and a note when it was left
+        uninitialized (created empty, never written). Raises :class:`Unreplayable` with the reason."""
+        key = _key(t)
+        try:
+            base = self._state(key, len(self.calls), device, seed)
+        except Unreplayable:
+            raise
+        except Exception as e:  # an error of the replayed code itself, or RecursionError on a very long chain
+            raise Unreplayable(f"replaying its initialization failed: {type(e).__name__}: {e}") from e
+        if base.dtype != t.dtype:
+            raise Unreplayable(f"it views its storage as {t.dtype}, the storage was made as {base.dtype}")
+        index, _ = self.created[key]
+        note = None
+        if _name(self.calls[index].func).split(".")[-1] in _EMPTY and not self.writes.get(key):
+            note = f"created by {_name(self.calls[index].func)} and never written in configure_model()"
+        return base.as_strided(t.shape, t.stride(), t.storage_offset()), note
+
+    def _state(self, key: int, upto: int, device: torch.device, seed: int) -> Tensor:
+        """Storage ``key`` on ``device`` as it was just before call ``upto``."""
+        if key not in self.created or self.created[key][0] >= upto:
+            raise Unreplayable("it depends on a meta tensor not created in configure_model()")
+        index, leaf = self.created[key]
+        made = self.calls[index].outputs[leaf]
+        assert made is not None
+        base = tree_flatten(self._run(index, None, device, seed))[0][leaf]
+        got = (tuple(base.shape), tuple(base.stride()), base.storage_offset(), base.dtype)
+        want = (made.size, made.stride, made.offset, made.dtype)
+        if got != want or base.untyped_storage().nbytes() != made.nbytes:
+            raise Unreplayable(f"{_name(self.calls[index].func)} made {got} on {device.type}, {want} on meta")
+        for w in self.writes.get(key, []):
+            if index < w < upto:
+                self._run(w, (key, base), device, seed)
+        return base
+
+    def _run(self, index: int, target: tuple[int, Tensor] | None, device: torch.device, seed: int) -> Any:
+        """Call ``index`` again on ``device``: ``target`` is the storage being rebuilt (its current tensor);
+        any other meta storage it reads or writes is rebuilt as it was then, for this call only."""
+        call = self.calls[index]
+        bases: dict[int, Tensor] = {} if target is None else {target[0]: target[1]}
+
+        def real(x: Any) -> Any:
+            if isinstance(x, _Meta):
+                if x.key not in bases:
+                    bases[x.key] = self._state(x.key, index, device, seed)
+                base = bases[x.key]
+                if base.dtype != x.dtype:
+                    raise Unreplayable(f"{_name(call.func)} saw its storage as {x.dtype}, not {base.dtype}")
+                same = (x.size, x.stride, x.offset) == (tuple(base.shape), tuple(base.stride()), base.storage_offset())
+                return base if same else base.as_strided(x.size, x.stride, x.offset)
+            if isinstance(x, _Real):
+                if x.tensor._version != x.version:
+                    raise Unreplayable(f"a tensor that {_name(call.func)} read was modified after configure_model()")
+                return x.tensor
+            if isinstance(x, torch.Generator):
+                raise Unreplayable(f"{_name(call.func)} drew from an explicit torch.Generator (its state is gone)")
+            if isinstance(x, torch.device) and x.type == "meta":
+                return device
+            return x
+
+        args, kwargs = tree_map(real, call.args, is_leaf=lambda x: isinstance(x, _Meta | _Real))
+        if kwargs.get("device") == "meta":
+            kwargs["device"] = device
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(call.default_dtype)  # Lightning's true-precision init context sets it
+        try:
+            with torch.no_grad(), torch.device(device):
+                torch.manual_seed(_seed(seed, index))  # per call: the same draw whichever tensor asks, any layout
+                return call.func(*args, **kwargs)
+        finally:
+            torch.set_default_dtype(dtype)
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, record: InitRecord) -> None:
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        # Property reads (shape, data, T) write nothing and make no storage; they are most of the calls.
+        if self.record._unit_depth or getattr(func, "__name__", "") == "__get__":
+            return func(*args, **kwargs)
+        return self.record.call(func, args, kwargs)
+
+
+def _unit(record: InitRecord, func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        if record._unit_depth:  # one torch.nn.init function calling another
+            return func(*args, **kwargs)
+        return record.call(func, args, kwargs, unit=True)
+
+    return recorded
+
+
+@contextlib.contextmanager
+def record_init(known: Iterable[Tensor] = ()) -> Iterator[InitRecord]:
+    """Record the initialization of the meta tensors made inside. torch.nn.init's orthogonal_, dirac_, sparse_
+    and trunc_normal_ return at once on a meta tensor, below any mode's sight, so every public torch.nn.init
+    initializer is wrapped here to be recorded as one call (found by attribute: ``nn.init.orthogonal_(w)``, not a
+    name imported from torch.nn.init before)."""
+    record = InitRecord(known)
+    init = torch.nn.init
+    originals = {n: f for n, f in vars(init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+    for n, f in originals.items():
+        setattr(init, n, _unit(record, f))
+    try:
+        with _Recorder(record):
+            yield record
+    finally:
+        for n, f in originals.items():
+            setattr(init, n, f)
