@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_gpipe.clean_exit import destroy_at_exit, keep_at_exit
 from lightning_gpipe.copies import WeightCopies
-from lightning_gpipe.materialize import has_meta_tensors, materialize
+from lightning_gpipe.materialize import has_meta_tensors, materialize, record_init
 from lightning_gpipe.pipe import PipelineStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.grads import BucketedAllReduce
@@ -255,7 +255,8 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
             setattr(parent, name, self._stage)
             if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
                 seed = self.broadcast(torch.initial_seed())
-                materialize(self.lightning_module, whole, self.root_device, seed)
+                record, self._init_record = getattr(self, "_init_record", None), None  # its CPU sources freed after
+                materialize(self.lightning_module, whole, self.root_device, seed, record)
             if sync_batchnorm:  # per-micro-batch statistics over the replicas of this stage
                 sync_deferred_batch_norm(self._stage, self._dp_group)
         # Predictions need the real output (see on_predict_start for where they are kept).
@@ -289,9 +290,12 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device; setup materializes only this rank's stage, each module
-        initialized by its ``reset_parameters()`` with a seed from its name (the same weights whatever K)."""
-        with torch.device("meta"):
+        """``configure_model`` builds on the meta device, where no initializer has any effect; what it called is
+        recorded, and setup materializes only this rank's stage with the initialization configure_model gave it
+        (its modules' ``reset_parameters()`` seeded by name where that is what it was, the recorded calls
+        replayed otherwise, e.g. timm's ``init_weights``): the same weights whatever K, and a warning naming any
+        tensor it cannot initialize so (``lightning_gpipe.materialize``)."""
+        with torch.device("meta"), record_init() as self._init_record:
             yield
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
