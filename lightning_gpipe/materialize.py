@@ -71,7 +71,13 @@ def _reset_is_own_init(record: InitRecord, module: nn.Module, tensor: torch.Tens
 
 
 def _warn(reasons: Mapping[str, str]) -> None:
-    listed = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+    by_reason: dict[str, list[str]] = {}
+    for name, why in reasons.items():
+        by_reason.setdefault(why, []).append(name)
+    listed = "; ".join(
+        f"{', '.join(names[:6])}{f' and {len(names) - 6} more' if len(names) > 6 else ''}: {why}"
+        for why, names in by_reason.items()
+    )
     warnings.warn(
         "GPipeStrategy built the model on the meta device (configure_model) and could not give these tensors the "
         "initialization the model gives them without the strategy, so their modules were initialized by "
