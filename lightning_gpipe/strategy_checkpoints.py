@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,8 @@ class CheckpointHooks:
     is_global_zero: bool
     broadcast: Any
     barrier: Any
+    # The plain module's parameter names in order, set by GPipeStrategy.setup before it pipelines the backbone.
+    _plain_parameter_names: list[str] | None = None
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -32,7 +33,7 @@ class CheckpointHooks:
         return False  # load_checkpoint restores the optimizers itself
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {}  # save_checkpoint collects the flattened, globally named states itself
+        return {}  # save_checkpoint collects every rank's states itself
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -41,21 +42,19 @@ class CheckpointHooks:
             )
         path = Path(self.broadcast(str(filepath)))
         assert self.model is not None
+        # Both raise the same error on every rank when any rank fails: none is left waiting at a collective.
         if self.save_distributed_checkpoint:
-            if self.is_global_zero and path.is_file():
-                path.unlink()
-            self.barrier()
             checkpointing.save_sharded(checkpoint, path, self.model, self.optimizers, self.global_rank)
         else:
-            if self.is_global_zero and path.is_dir():
-                shutil.rmtree(path)
-            checkpointing.save_single_file(checkpoint, path, self.model, self.optimizers, self.global_rank)
+            order = self._plain_parameter_names
+            checkpointing.save_single_file(checkpoint, path, self.model, self.optimizers, self.global_rank, order)
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        return checkpointing.load(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+        strict = self.lightning_module.strict_loading
+        return checkpointing.load(path, self.model, self.optimizers, strict, self._plain_parameter_names)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # done in load_checkpoint
