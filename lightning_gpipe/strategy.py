@@ -226,6 +226,8 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         if isinstance(backbone, PipelineStage):  # setup() runs again for validate/test after fit
             self._stage = backbone
         else:
+            # A plain optimizer's state dict numbers parameters in this order (checkpoints convert by it).
+            self._plain_parameter_names = [n for n, _ in self.lightning_module.named_parameters()]
             on_meta = has_meta_tensors(self.lightning_module)
             whole = dict(self.lightning_module.named_modules()) if on_meta else {}
             balance = self.balance
