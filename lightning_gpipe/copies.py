@@ -21,7 +21,9 @@ class WeightCopies:
     Three kinds, on the (dp × K) mesh where rank = d·K + k:
 
     - every tensor of the module has copies on the other data-parallel replicas (the dp group);
-    - parameters outside the backbone (an embedding before it, a head after it) have a copy on every stage;
+    - parameters outside the backbone (an embedding before it, a head after it) have a copy on every stage, and so
+      does a weight that a module outside shares with a backbone layer (an input embedding tied to the backbone's
+      output projection): its gradient is the sum over every stage, as for any replicated parameter;
     - a weight tied between layers of different stages (an input embedding and output projection) has a copy on
       each stage that uses it: one process group per such set of stages, per replica.
 
@@ -31,16 +33,17 @@ class WeightCopies:
     def __init__(
         self, module: nn.Module, stage: PipelineStage, K: int, rank: int, pp_group: Any, dp_group: Any
     ) -> None:
-        owned = {id(p) for p in stage.parameters()}
         self.module, self.stage = module, stage
         self.pp_group, self.dp_group = pp_group, dp_group
-        self.replicated = [p for p in module.parameters() if id(p) not in owned]
+        self.replicated = outside_parameters(module, stage)
+        replicated = {id(p) for p in self.replicated}
         self.tied: list[tuple[Any, list[nn.Parameter]]] = []
         self._not_first_holder: set[int] = set()
         sets = list(dict.fromkeys(stages for _, stages, _ in stage.shared))
         world = dist.get_world_size() if dist.is_initialized() else 1
         for stages in sets:
-            params = [p for _, s, p in stage.shared if s == stages and p is not None]
+            # A tied weight also used outside the backbone is summed over every stage already.
+            params = [p for _, s, p in stage.shared if s == stages and p is not None and id(p) not in replicated]
             for d in range(world // K):
                 ranks = [d * K + s for s in stages]
                 group = dist.new_group(ranks)
@@ -72,6 +75,33 @@ class WeightCopies:
             once = not (id(p) in replicated and not self.stage.is_first) and id(p) not in self._not_first_holder
             (counted if once else skipped).append(p)
         return counted, skipped
+
+
+def outside_parameters(module: nn.Module, stage: nn.Module) -> list[nn.Parameter]:
+    """The parameters reachable from ``module`` without passing through ``stage``, in the same order on every rank.
+
+    These are on every stage: the modules outside the backbone, and with them any backbone layer's weight that one
+    of those modules shares. Walking the module tree (not ``module.parameters()``, which lists a shared weight at its
+    first use, inside the stage on one rank and outside on another) keeps the order the same everywhere.
+    """
+    seen_modules: set[int] = set()
+    seen: set[int] = set()
+    out: list[nn.Parameter] = []
+
+    def walk(m: nn.Module) -> None:
+        if m is stage or id(m) in seen_modules:
+            return
+        seen_modules.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        for child in m._modules.values():
+            if child is not None:
+                walk(child)
+
+    walk(module)
+    return out
 
 
 def _broadcast(tensors: list[torch.Tensor], group: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -47,11 +48,40 @@ def _metric_tensors(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def take_from_last_stage(step_output: Any, module: nn.Module, results: Any, group: Any, last: int) -> Any:
+def _describe(results: Any, tensors: list[torch.Tensor]) -> list[Any]:
+    keys = list(results.keys()) if results is not None else []
+    return [keys, [(tuple(t.shape), str(t.dtype)) for t in tensors]]
+
+
+def _check_same_structure(described: list[Any], group: Any, last: int, device: torch.device) -> None:
+    """Every stage must log, return and update the same things: otherwise the broadcast would pair unrelated values
+    (a wrong key on rank 0) or send different sizes (gloo aborts). One 8-byte all-gather per step says so first."""
+    digest = hashlib.blake2b(repr(described).encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little") >> 1], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    differ = [k for k, g in enumerate(gathered) if not torch.equal(g, gathered[last])]
+    if not differ:
+        return
+    everyone: list[Any] = [None] * len(gathered)
+    dist.all_gather_object(everyone, described[0], group=group)
+    raise RuntimeError(
+        f"GPipeStrategy(output='loss'): stage(s) {differ} logged, returned or updated other values than the last "
+        f"stage in this step (logged keys {everyone[differ[0]]} vs the last stage's {everyone[last]}). With "
+        "output='loss' the other stages compute on zeros, so what a step logs (its keys and how many values), returns "
+        "and feeds to metrics must not depend on the backbone's output values (e.g. `if acc > 0.5: self.log(...)`); "
+        "log the same keys every step, or use GPipeStrategy(output='all')"
+    )
+
+
+def take_from_last_stage(
+    step_output: Any, module: nn.Module, results: Any, group: Any, last: int, device: torch.device
+) -> Any:
     """Overwrite this rank's logged values and metric states with the last stage's, and return its step output.
 
     The other stages computed them from placeholder zeros. Every stage ran the same code on same-shaped values, so
-    the tensors line up one to one; one coalesced broadcast per step (scalars, mostly) replaces them in place.
+    the tensors line up one to one (checked first); one coalesced broadcast per step (scalars, mostly) replaces them
+    in place.
     """
     source = dist.get_rank(group) == last
     # The last stage's own loss keeps its graph (it drives the backward phase); the others get detached copies.
@@ -61,6 +91,7 @@ def take_from_last_stage(step_output: Any, module: nn.Module, results: Any, grou
     # Several entries may share one tensor (a value logged on_step only is also its forward cache).
     unique = list({id(t): t for t in states}.values())
     tensors = returned_tensors + unique
+    _check_same_structure(_describe(results, tensors), group, last, device)
     if source:  # the broadcast writes into its tensors even on the source: those may share a graph's storage
         tensors = [t.detach().clone() for t in tensors]
     if tensors:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
@@ -25,9 +26,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_gpipe.audit import (
+    backbone_references,
+    point_at_stage,
+    report,
+    report_stateful_buffers,
+    shared_with_outside,
+)
 from lightning_gpipe.clean_exit import destroy_at_exit, keep_at_exit
 from lightning_gpipe.copies import WeightCopies
 from lightning_gpipe.materialize import has_meta_tensors, materialize, record_init
+from lightning_gpipe.metric_groups import sync_metrics_over
 from lightning_gpipe.pipe import PipelineStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.grads import BucketedAllReduce
@@ -74,6 +83,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         backbone: str = "backbone",
         balance: list[int] | Literal["parameters", "time"] | Callable[[int, nn.Module], float] = "parameters",
         checkpoint: Checkpoint = "except_last",
+        batch_dim: int = 0,
         deferred_batch_norm: bool = True,
         output: Literal["all", "loss"] = "all",
         save_distributed_checkpoint: bool = True,
@@ -103,6 +113,8 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         self.backbone = backbone
         self.balance = balance
         self.checkpoint = checkpoint
+        self.batch_dim = batch_dim
+        self._stateful_reported = False
         self.deferred_batch_norm = deferred_batch_norm
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.bucket_size_mb = bucket_size_mb
@@ -222,12 +234,19 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
             sync_batchnorm=sync_batchnorm,
             deferred_batch_norm=self.deferred_batch_norm,
         )
-        parent, name, backbone = find_backbone(self.lightning_module, self.backbone)
+        _, _, backbone = find_backbone(self.lightning_module, self.backbone)
         if isinstance(backbone, PipelineStage):  # setup() runs again for validate/test after fit
             self._stage = backbone
         else:
             # A plain optimizer's state dict numbers parameters in this order (checkpoints convert by it).
             self._plain_parameter_names = [n for n, _ in self.lightning_module.named_parameters()]
+            references = backbone_references(self.lightning_module, backbone)
+            findings = [
+                f"self.{path} is self.{self.backbone}: both now hold this rank's pipeline stage"
+                for path, _, _ in references
+                if path != self.backbone
+            ]
+            findings += shared_with_outside(self.lightning_module, backbone, self.backbone)
             on_meta = has_meta_tensors(self.lightning_module)
             whole = dict(self.lightning_module.named_modules()) if on_meta else {}
             balance = self.balance
@@ -247,6 +266,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
                 chunks=self.chunks,
                 balance=balance,
                 checkpoint=self.checkpoint,
+                batch_dim=self.batch_dim,
                 group=self._pp_group,
                 header_group=self._header_group,
                 deferred_batch_norm=self.deferred_batch_norm,
@@ -254,7 +274,13 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
                 device=self.root_device,
                 timeout=self._timeout.total_seconds() if self._timeout else 1800.0,
             )
-            setattr(parent, name, self._stage)
+            # Every alias too (self.vit.blocks and self.backbone): none may keep, save or train the whole backbone.
+            point_at_stage(references, self._stage)
+            findings += [
+                f"self.{self.backbone}.{p} is tied across stages {list(stages)}: its gradient summed over them"
+                for p, stages, _ in self._stage.shared
+            ]
+            report(findings, enabled=self.global_rank == 0)
             if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
                 seed = self.broadcast(torch.initial_seed())
                 record, self._init_record = getattr(self, "_init_record", None), None  # its CPU sources freed after
@@ -276,6 +302,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
                 self._dp_group,
             )
             self._copies.broadcast_initial_state()
+        sync_metrics_over(self.lightning_module, self._dp_group)
         self._dp_reduce = BucketedAllReduce(
             list(self.lightning_module.parameters()), self._dp_group, int(self.bucket_size_mb * 2**20)
         )
@@ -331,7 +358,12 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         assert self.lightning_module is not None
         results = self.lightning_module.trainer._results
         return take_from_last_stage(
-            step_output, self.lightning_module, results, self._pp_group, self.pipeline_parallel_size - 1
+            step_output,
+            self.lightning_module,
+            results,
+            self._pp_group,
+            self.pipeline_parallel_size - 1,
+            self.root_device,
         )
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -356,7 +388,9 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with self._abort_on_error():
-            if not self.stage.pending:
+            drain = self.stage.pending
+            # A backbone called under no_grad (a frozen feature extractor) ran a forward-only pass: nothing to drain.
+            if not drain and not self.stage.forward_only_calls:
                 raise RuntimeError(
                     f"the training step did not call self.{self.backbone}: GPipeStrategy pipelines that call, so "
                     "every training step must call the backbone exactly once"
@@ -366,7 +400,12 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
             if self.stage.is_last:
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             self._trace_loss()
-            self.stage.backward()
+            if drain:
+                self.stage.backward()
+        if not self._stateful_reported and self.stage.buffers_changed_in_forward:
+            self._stateful_reported = True
+            first_replica = self._dp_group is None or dist.get_rank(self._dp_group) == 0
+            report_stateful_buffers(self.stage, self.backbone, enabled=first_replica)
         if not self._sync_blocked:
             with self.stage.timeline.record("reduce"):
                 self._reduce_gradients()

@@ -50,3 +50,45 @@ def test_yaml_config_and_overrides(tmp_path: Path) -> None:
     facts = [json.loads(Path(f"{report}.{rank}").read_text()) for rank in range(2)]
     assert sorted(f["stage"] for f in facts) == [0, 1]
     assert all(f["chunks"] == 3 and f["K"] == 2 for f in facts), facts
+
+
+@pytest.mark.timeout(240)
+def test_strategy_by_its_registered_name(tmp_path: Path) -> None:
+    """`strategy: gpipe` in YAML works once the entry point has imported lightning_gpipe (the package registers it)."""
+    config = CONFIG.split("  strategy:")[0] + "  strategy: gpipe\n"
+    (tmp_path / "config.yaml").write_text(config)
+    report = tmp_path / "report"
+    run = _cli("fit", "--config", "config.yaml", "--model.report", str(report), cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    facts = [json.loads(Path(f"{report}.{rank}").read_text()) for rank in range(2)]
+    assert sorted(f["stage"] for f in facts) == [0, 1]
+    assert all(f["chunks"] == 8 and f["K"] == 2 for f in facts), facts  # GPipeStrategy's defaults
+
+
+@pytest.mark.timeout(60)
+def test_import_registers_the_strategy_and_the_engine_imports_without_lightning() -> None:
+    code = """
+import sys
+from lightning.pytorch.strategies import StrategyRegistry
+assert "gpipe" not in StrategyRegistry
+import lightning_gpipe
+from lightning.pytorch import Trainer
+from lightning_gpipe import GPipeStrategy
+assert isinstance(Trainer(strategy="gpipe", accelerator="cpu", devices=1, logger=False).strategy, GPipeStrategy)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Lightning made unimportable: the engine still imports, and asking for the strategy says what is missing.
+    code = """
+import sys
+sys.modules["lightning"] = None
+import lightning_gpipe
+from lightning_gpipe.pipe import PipelineStage
+try:
+    lightning_gpipe.GPipeStrategy
+except ImportError as e:
+    print(e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GPipeStrategy needs Lightning" in done.stdout, done.stdout

@@ -9,6 +9,8 @@ from pathlib import Path
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 
+import lightning_gpipe  # noqa: F401 — registers strategy="gpipe", as a user's entry point would
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from test_strategy import BATCH, TinyPipelined, dataset

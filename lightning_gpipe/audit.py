@@ -1,0 +1,117 @@
+"""The setup audit: every reference to the backbone, every weight it shares, each finding handled and logged."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+# Under Lightning's logger, so the findings print where its own setup messages do (it sets INFO and a handler).
+log = logging.getLogger("lightning.pytorch.strategies.gpipe")
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def backbone_references(root: nn.Module, backbone: nn.Module) -> list[tuple[str, Any, str | int]]:
+    """Every place in ``root`` that holds ``backbone``: (path, container, key).
+
+    A container is a module's submodule table (``self.backbone``, ``self.vit.blocks``), its ``__dict__`` (a plain
+    attribute), or a list or dict held by a plain attribute (``self.parts = [self.vit.blocks]``). All of them must
+    see the pipeline stage, or a rank keeps (and saves, and trains) the whole backbone under the other name.
+    """
+    found: list[tuple[str, Any, str | int]] = []
+    for name, module in root.named_modules():
+        for key, child in module._modules.items():
+            if child is backbone:
+                found.append((_join(name, key), module._modules, key))
+        for key, value in vars(module).items():
+            if key.startswith("__") or key in ("_modules", "_parameters", "_buffers"):
+                continue
+            if value is backbone:
+                found.append((_join(name, key), vars(module), key))
+            elif isinstance(value, list):
+                found += [(f"{_join(name, key)}[{i}]", value, i) for i, v in enumerate(value) if v is backbone]
+            elif isinstance(value, dict):
+                found += [(f"{_join(name, key)}[{k!r}]", value, k) for k, v in value.items() if v is backbone]
+            elif isinstance(value, tuple) and any(v is backbone for v in value):
+                raise TypeError(
+                    f"GPipeStrategy: {_join(name, key)} is a tuple holding the backbone; a tuple cannot be pointed at "
+                    "the pipeline stage, so this rank would keep the whole backbone. Hold it in a list or as a "
+                    "submodule attribute, or drop the reference"
+                )
+    return found
+
+
+def point_at_stage(references: list[tuple[str, Any, str | int]], stage: nn.Module) -> None:
+    for _, container, key in references:
+        container[key] = stage
+
+
+def _outside_modules(root: nn.Module, backbone: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Modules reachable from ``root`` without entering ``backbone``, with the first path that reaches them."""
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        name, m = stack.pop()
+        if m is backbone or id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield name, m
+        children = [(_join(name, k), c) for k, c in m._modules.items() if c is not None]
+        stack.extend(reversed(children))
+
+
+def shared_with_outside(root: nn.Module, backbone: nn.Sequential, path: str) -> list[str]:
+    """Findings: backbone layers held, or weights shared, by modules outside the backbone (before it is split)."""
+    outside_modules: dict[int, str] = {}
+    outside_params: dict[int, str] = {}
+    for name, m in _outside_modules(root, backbone):
+        outside_modules.setdefault(id(m), name)
+        for key, p in m._parameters.items():
+            if p is not None:
+                outside_params.setdefault(id(p), _join(name, key))
+    findings = []
+    for i, (layer_name, layer) in enumerate(backbone._modules.items()):
+        assert layer is not None
+        if id(layer) in outside_modules:
+            findings.append(
+                f"layer {i} ({type(layer).__name__}) of self.{path} is also self.{outside_modules[id(layer)]}: it is "
+                "kept on every stage, its parameters' gradients summed over the stages"
+            )
+            continue
+        for key, p in layer.named_parameters():
+            if id(p) in outside_params:
+                findings.append(
+                    f"self.{path}.{layer_name}.{key} is tied to self.{outside_params[id(p)]} outside the backbone: "
+                    "kept on every stage, its gradient summed over the stages"
+                )
+    return findings
+
+
+def report(findings: list[str], *, enabled: bool) -> None:
+    """One log line per finding (on one rank: the findings are the same everywhere)."""
+    if enabled:
+        for finding in findings:
+            log.info(f"GPipeStrategy: {finding}")
+
+
+def report_stateful_buffers(stage: Any, path: str, *, enabled: bool) -> None:
+    """A warning, once per stage, naming the buffers its layers change in forward: that cannot match one device
+    for every kind of state, and the user must know which kind theirs is."""
+    if not enabled:
+        return
+    names = [f"{path}.{name}" for name in stage.buffers_changed_in_forward]
+    warnings.warn(
+        f"GPipeStrategy: on stage {stage.stage}, the backbone's layers change these buffers in forward: "
+        f"{names}. Under GPipe a layer runs once per micro-batch (M = {stage.chunks} "
+        "times per step, on about N/M samples each), not once per batch: a running count or sum ends as on one "
+        "device, an average or EMA over batches does not. Re-materialization never repeats the change (the "
+        "recompute restores them). Keep per-batch state outside the backbone, or update it per micro-batch "
+        "knowingly (lightning_gpipe.pipe.is_recomputing() tells a layer it is being recomputed)",
+        stacklevel=2,
+    )
