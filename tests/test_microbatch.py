@@ -159,3 +159,59 @@ def test_weighted_micro_batch_gradients_equal_full_batch(N: int, chunks: int) ->
         (w * F.mse_loss(model(mx), mt)).backward()
     for p, g in zip(model.parameters(), full):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ per-sample non-tensor items, the batch dimension
+def test_per_sample_strings_are_split_with_their_samples() -> None:
+    names = [f"s{i}" for i in range(7)]
+    batch = {"x": torch.arange(7).unsqueeze(1), "names": names, "ids": tuple(range(100, 107))}
+    micro = split(batch, 3)
+    assert [mb["names"] for mb in micro] == [names[:3], names[3:5], names[5:]]
+    assert [mb["ids"] for mb in micro] == [(100, 101, 102), (103, 104), (105, 106)]  # a tuple stays a tuple
+    for mb in micro:
+        assert [f"s{int(i)}" for i in mb["x"][:, 0]] == mb["names"]  # each string with its own sample
+    joined = join(micro)
+    assert joined["names"] == names and joined["ids"] == batch["ids"]
+    assert torch.equal(joined["x"], batch["x"])
+
+
+def test_other_non_tensor_values_are_replicated() -> None:
+    batch = {
+        "x": torch.randn(4, 2),
+        "langs": ("en", "de", "fr"),  # length ≠ N (and ≠ every micro-batch's n: see the module docstring)
+        "name": "wmt",
+        "k": 3,
+        "pair": Pair("a", "b"),  # a namedtuple is a record, not a sequence of samples
+        "nested": [torch.randn(4), "tag"],  # holds a tensor: a structure, its string is replicated
+    }
+    micro = split(batch, 2)
+    for mb in micro:
+        assert mb["langs"] == ("en", "de", "fr") and mb["name"] == "wmt" and mb["k"] == 3
+        assert mb["pair"] == Pair("a", "b") and mb["nested"][1] == "tag"
+        assert mb["nested"][0].shape == (2,)
+    joined = join(micro)
+    assert joined["langs"] == ("en", "de", "fr") and joined["pair"] == Pair("a", "b") and joined["k"] == 3
+
+
+def test_join_takes_per_sample_lists_only_when_every_micro_batch_has_one() -> None:
+    # Micro-batches of 2 and 1 samples that each carry the same two labels: a constant, not per-sample.
+    parts = [{"x": torch.zeros(2, 1), "labels": ["a", "b"]}, {"x": torch.zeros(1, 1), "labels": ["a", "b"]}]
+    assert join(parts)["labels"] == ["a", "b"]
+    # Sizes given explicitly: per-sample strings alone can be joined.
+    assert join([["a", "b"], ["c"]], sizes=[2, 1]) == ["a", "b", "c"]
+
+
+def test_split_and_join_along_batch_dim_1() -> None:
+    x = torch.randn(5, 7, D)  # time-major (T, N, D)
+    lengths = torch.arange(7).unsqueeze(0)  # (1, N)
+    micro = split((x, lengths, [str(i) for i in range(7)]), 3, batch_dim=1)
+    assert [mb[0].shape for mb in micro] == [(5, 3, D), (5, 2, D), (5, 2, D)]
+    assert [mb[2] for mb in micro] == [["0", "1", "2"], ["3", "4"], ["5", "6"]]
+    joined = join(micro, batch_dim=1)
+    assert torch.equal(joined[0], x) and torch.equal(joined[1], lengths)
+    assert batch_size(x, batch_dim=1) == 7
+
+
+def test_batch_dim_beyond_a_tensors_dims_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"batch_dim=1, but a tensor of shape \(7,\) has no dimension 1"):
+        split((torch.randn(5, 7, D), torch.arange(7)), 2, batch_dim=1)

@@ -13,7 +13,18 @@ _local = threading.local()
 
 
 def is_recomputing() -> bool:
-    """True while a stage re-runs a checkpointed micro-batch; layers with side effects must not repeat them."""
+    """True while a stage re-runs a checkpointed micro-batch in the backward phase (``lightning_gpipe.pipe``).
+
+    For authors of layers with state. A checkpointed micro-batch runs its forward twice: once in the forward
+    phase, once more ("recompute") just before its backward, and the two must compute the same thing. Buffers the
+    forward changes (a counter, an EMA of activations, non-deferred BatchNorm statistics) are handled for you: the
+    stage notices which buffers its layers change, runs each recompute on a copy of them as they were before that
+    micro-batch's forward, and puts the real ones back afterwards, so each micro-batch updates them exactly once
+    (M updates per mini-batch, as M separate forward calls would; not 2M-1). See
+    ``PipelineStage.buffers_changed_in_forward``. Anything else a forward does to the outside world (Python
+    attributes, counters on ``self`` that are not buffers, logging, appending to a list, collectives) is not
+    undone: guard it with ``if not is_recomputing(): ...``, as :class:`DeferredBatchNorm` does for its statistics.
+    """
     return getattr(_local, "recomputing", False)
 
 

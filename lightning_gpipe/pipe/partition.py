@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import pickle
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -254,22 +256,53 @@ def shared_parameters(module: nn.Sequential, balance: Sequence[int]) -> list[tup
     return [(names[i], tuple(stages)) for i, stages in holders.items() if len(stages) > 1]
 
 
+def local_name(layers: list[tuple[str, nn.Module]], param: nn.Parameter) -> str:
+    """The name of ``param`` among the (name, layer) pairs of one stage, e.g. ``"3.weight"``."""
+    return next(
+        f"{layer_name}.{name}"
+        for layer_name, layer in layers
+        for name, p in layer.named_parameters(remove_duplicate=False)
+        if p is param
+    )
+
+
 def agree_on_balance(
     module: nn.Sequential, K: int, balance: Balance, *, sample: Any = None, group: Any = None
 ) -> list[int]:
     """:func:`resolve_balance` on group rank 0, broadcast to the others (a collective when ``group`` is given).
 
     Resolved once, so that profiled timings, which differ per process, cannot give two stages different splits;
-    an invalid balance raises the same error on every rank.
+    an invalid balance raises the same error on every rank, and so does any error of a cost callable or profile.
     """
     result: list[Any] = [None, None]
+    error: BaseException | None = None
     if group is None or dist.get_rank(group) == 0:
         try:
             result[0] = resolve_balance(module, K, balance, sample=sample)
-        except (ValueError, TypeError) as e:
-            result[1] = e
+        except Exception as e:
+            error = e
+            result[1] = _portable(e, balance)
     if group is not None and K > 1:
         dist.broadcast_object_list(result, group=group, group_src=0)
     if result[1] is not None:
-        raise result[1]
+        raised = result[1] if isinstance(result[1], BaseException) else RuntimeError(result[1])
+        if raised is error:
+            raise raised
+        raise raised from error
     return result[0]
+
+
+def _portable(e: Exception, balance: Balance) -> Exception | str:
+    """What reaches the other ranks: the error itself when it is a ValueError/TypeError about the arguments and
+    survives pickling; otherwise its text, naming where it came from (an error the other ranks could not unpickle
+    would fail the broadcast itself with a raw gloo error)."""
+    if type(e) in (ValueError, TypeError):
+        with contextlib.suppress(Exception):
+            if type(pickle.loads(pickle.dumps(e))) is type(e):
+                return e
+    source = (
+        f"the balance cost function {getattr(balance, '__qualname__', repr(balance))}"
+        if callable(balance) and not isinstance(balance, str)
+        else f"resolving balance={balance!r}"
+    )
+    return f"{source} failed on stage 0 with {type(e).__name__}: {e}; fix it, or pass balance as K layer counts"

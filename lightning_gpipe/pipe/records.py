@@ -18,6 +18,7 @@ class MicroBatch:
     state: ForwardState | None  # RNG and autocast state to replay; None when not checkpointed
     marks: list[bool]  # which output tensors the next stage differentiates (and sends a gradient for)
     metas: list[TensorMeta] = field(default_factory=list)
+    buffers: dict[str, torch.Tensor] | None = None  # checkpointed: what the recompute restores (see buffers.py)
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Step:
     micro: list[MicroBatch]
     input_leaves: list[Any] = field(default_factory=list)  # stage 0: the caller's input tensors needing a gradient
     output: Any = None  # last stage: the joined output, whose leaves collect the caller's gradient
-    sizes: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # n of each micro-batch, stage 0's split
     seed: int = 0  # the phase's step seed (stage 0's): micro-batch m's layers draw from mix(seed, m)
 
 

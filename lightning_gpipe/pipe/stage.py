@@ -16,29 +16,32 @@ from lightning_gpipe.pipe.batchnorm import (
     convert_deferred_batch_norm,
     deferred_statistics,
 )
+from lightning_gpipe.pipe.boundary import check_boundary
+from lightning_gpipe.pipe.buffers import StatefulBuffers
 from lightning_gpipe.pipe.checkpoint import ForwardState, recomputing
 from lightning_gpipe.pipe.errors import PipelineError
 from lightning_gpipe.pipe.failures import FailureHandling
+from lightning_gpipe.pipe.indexing import LayerIndexing
 from lightning_gpipe.pipe.microbatch import (
-    batch_size,
-    detached,
     differentiable,
     join,
-    split,
+    join_input_grads,
+    plan_sizes,
     split_by_sizes,
     split_leaves,
     tensors,
 )
-from lightning_gpipe.pipe.partition import Balance, agree_on_balance, shared_parameters, stage_layers
-from lightning_gpipe.pipe.records import OUTPUT_MODES, MicroBatch, OutputMode, Placeholder, Step
+from lightning_gpipe.pipe.outputs import OutputHandling
+from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, stage_layers
+from lightning_gpipe.pipe.records import OUTPUT_MODES, MicroBatch, OutputMode, Step
 from lightning_gpipe.pipe.rng import draw_step_seed, mix, name_key, reseed, restored_streams
 from lightning_gpipe.pipe.schedule import Checkpoint, backward_order, is_checkpointed, validate_checkpoint
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import OUTPUT_TAG, TensorMeta, Transport, cpu_group
+from lightning_gpipe.pipe.transport import TensorMeta, Transport, cpu_group
 
 
-class PipelineStage(FailureHandling, nn.Module):
+class PipelineStage(FailureHandling, OutputHandling, LayerIndexing, nn.Module):
     """Stage k of K: owns a contiguous slice of an ``nn.Sequential`` and runs it as GPipe does.
 
     Every rank of the pipeline group builds it from the same ``nn.Sequential`` and keeps only its own layers, named as
@@ -46,6 +49,7 @@ class PipelineStage(FailureHandling, nn.Module):
     of a training step (stage 0 splits the input into M micro-batches; the last stage returns the joined output as a
     leaf that collects the caller's gradient); :meth:`backward` then drains the micro-batches in reverse. Calling it
     without grad runs a forward-only pipeline. Every stage must make the same calls: they are collective.
+    Indexing it (``stage[i]``, ``len(stage)``) goes by the layers of the whole backbone (see ``indexing``).
 
     Args:
         module: the L layers; built alike on every rank (same seed), only this stage's layers are kept.
@@ -53,6 +57,8 @@ class PipelineStage(FailureHandling, nn.Module):
         balance: layers per stage, or how to find them: ``"parameters"``, ``"time"`` (profiles ``sample``), or a
             per-layer cost ``fn(i, layer) -> c_i``; solved exactly on stage 0 and broadcast.
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"`` (see ``schedule``).
+        batch_dim: the dimension that holds the samples in every tensor that is split or crosses a stage boundary:
+            0, or 1 for time-major ``(T, N, ...)`` tensors (nn.GRU, nn.LSTM, nn.Transformer without batch_first).
         group: the pipeline's process group, stage k = group rank k (default: the world).
         header_group: a gloo group over the same ranks for headers and status checks (made for you if needed).
         deferred_batch_norm: turn BatchNorm layers into :class:`DeferredBatchNorm`.
@@ -71,6 +77,7 @@ class PipelineStage(FailureHandling, nn.Module):
         chunks: int = 8,
         balance: Balance = "parameters",
         checkpoint: Checkpoint = "except_last",
+        batch_dim: int = 0,
         group: dist.ProcessGroup | None = None,
         header_group: dist.ProcessGroup | None = None,
         deferred_batch_norm: bool = True,
@@ -87,6 +94,8 @@ class PipelineStage(FailureHandling, nn.Module):
             raise ValueError(f"chunks (M, the number of micro-batches) must be an int ≥ 1, got {chunks!r}")
         if output not in OUTPUT_MODES:
             raise ValueError(f"output={output!r} is not one of {list(OUTPUT_MODES)}")
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+            raise ValueError(f"batch_dim must be an int ≥ 0 (0: batch-first, 1: time-major), got {batch_dim!r}")
         distributed = dist.is_available() and dist.is_initialized()
         group = group if group is not None or not distributed else dist.group.WORLD
         self._k = dist.get_rank(group) if distributed else 0
@@ -95,6 +104,7 @@ class PipelineStage(FailureHandling, nn.Module):
             header_group = cpu_group(group)
         self._chunks = chunks
         self._checkpoint = validate_checkpoint(checkpoint)
+        self._batch_dim = batch_dim
         self._output_mode = output
         if device is None:
             backend = dist.get_backend(group) if distributed else "gloo"
@@ -104,14 +114,17 @@ class PipelineStage(FailureHandling, nn.Module):
             module, self._K, balance, sample=sample, group=header_group if distributed else None
         )
         layers = stage_layers(module, self._balance, self._k)
+        self._index_layers(module)
         # Tied weights used on several stages: (first name, stages, the name of one of its uses on this stage).
         self._shared: list[tuple[str, tuple[int, ...], str | None]] = [
-            (name, stages, _local_name(layers, module.get_parameter(name)) if self._k in stages else None)
+            (name, stages, local_name(layers, module.get_parameter(name)) if self._k in stages else None)
             for name, stages in shared_parameters(module, self._balance)
         ]
         for name, layer in layers:
             self.add_module(name, convert_deferred_batch_norm(layer) if deferred_batch_norm else layer)
         self._name_keys = {name: name_key(name) for name, _ in layers}
+        self._stateful = StatefulBuffers(self)
+        self._forward_only_calls = 0
         self._transport = (
             Transport(group, device=self._device, timeout=timedelta(seconds=timeout), header_group=header_group)
             if distributed
@@ -168,6 +181,22 @@ class PipelineStage(FailureHandling, nn.Module):
         return self._chunks
 
     @property
+    def batch_dim(self) -> int:
+        return self._batch_dim
+
+    @property
+    def buffers_changed_in_forward(self) -> list[str]:
+        """Buffers (global names) that this stage's layers changed in a training forward phase so far: they are
+        snapshotted for each recompute and restored after it, so re-materialization never changes them twice."""
+        return self._stateful.changed
+
+    @property
+    def forward_only_calls(self) -> int:
+        """Forward-only (no grad) calls since the last :meth:`reset`: a training step that called the backbone
+        under ``torch.no_grad()`` has nothing to back-propagate through the pipeline."""
+        return self._forward_only_calls
+
+    @property
     def pending(self) -> bool:
         """True between a training forward phase and its backward()."""
         return self._step is not None
@@ -184,8 +213,8 @@ class PipelineStage(FailureHandling, nn.Module):
             x = layer(x)
         return x
 
-    def _receive(self, m: int, training: bool) -> tuple[Any, int, int]:
-        """Micro-batch m's input from the previous stage, with M and the phase's step seed."""
+    def _receive(self, m: int, training: bool) -> tuple[Any, dict[str, Any]]:
+        """Micro-batch m's input from the previous stage, with its header fields: M, its size n, the step seed."""
         assert self._transport is not None
         with self.timeline.record("recv-wait", m):
             x, fields = self._transport.recv(self._k - 1, f"micro-batch {m}'s input")
@@ -195,7 +224,7 @@ class PipelineStage(FailureHandling, nn.Module):
                 f"stage {self._k - 1} ran {modes[fields['training']]} while stage {self._k} ran {modes[training]}; "
                 "every stage must call the pipelined module in the same grad mode"
             )
-        return x, fields["M"], fields["seed"]
+        return x, fields
 
     def _send(self, dst: int, obj: Any, micro_batch: int, **kwargs: Any) -> list[TensorMeta]:
         assert self._transport is not None
@@ -205,14 +234,16 @@ class PipelineStage(FailureHandling, nn.Module):
         return metas
 
     def reset(self) -> None:
-        """Forget a forward phase whose backward will not run (e.g. a skipped step)."""
+        """Forget a forward phase whose backward will not run (e.g. a skipped step); zero forward_only_calls."""
         self._step = None
+        self._forward_only_calls = 0
 
     # ----------------------------------------------------------------------------------------------------- phases
     def forward(self, input: Any = None) -> Any:
         """Forward phase (grad enabled) or forward-only pipeline (no grad); ``input`` is used on stage 0 only."""
         if torch.is_grad_enabled():
             return self._forward_phase(input)
+        self._forward_only_calls += 1
         return self._evaluate(input)
 
     def _forward_phase(self, input: Any) -> Any:
@@ -223,27 +254,33 @@ class PipelineStage(FailureHandling, nn.Module):
             )
         seed = draw_step_seed()  # outside the restored streams: the next step draws the next seed
         with self._phase("forward") as where, restored_streams(self._device):
-            micro_inputs, input_leaves = split_leaves(input, self._chunks) if self.is_first else ([], [])
+            sizes = plan_sizes(input, self._chunks, self._batch_dim) if self.is_first else []
+            micro_inputs, input_leaves = split_leaves(input, sizes, self._batch_dim) if self.is_first else ([], [])
             could_require = any(p.requires_grad for p in self.parameters())
             step = Step([], input_leaves=input_leaves, seed=seed)
             m, M = 0, len(micro_inputs)
             while m < M or (m == 0 and not self.is_first):
                 where[0] = m
                 if self.is_first:
-                    x = micro_inputs[m]
+                    x, n = micro_inputs[m], sizes[m]
                 else:
-                    x, M, step.seed = self._receive(m, training=True)
+                    x, got = self._receive(m, training=True)
+                    M, n, step.seed = got["M"], got["n"], got["seed"]
                 if m == 0:
                     check_replicas_run_the_same_m(self, M, self._device)
                 ckpt = is_checkpointed(self._checkpoint, m, M)
                 state = ForwardState.capture([self._device]) if ckpt else None
+                buffers, before = self._stateful.snapshot() if ckpt else None, self._stateful.mark()
                 with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
                     y = self._run(x, mix(step.seed, m))
+                self._stateful.learn(before)
+                check_boundary(y, n, self._batch_dim, self._producer, self.is_last)
                 needs = could_require or any(t.requires_grad for t in tensors(x))
                 marks = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(y)]
-                mb = MicroBatch(x, y, state, marks)
+                mb = MicroBatch(x, y, state, marks, buffers=buffers)
+                step.sizes.append(n)
                 if not self.is_last:
-                    fields = {"m": m, "M": M, "training": True, "seed": step.seed}
+                    fields = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed}
                     mb.metas = self._send(self._k + 1, y, m, requires_grad=marks, **fields)
                     if ckpt:
                         mb.output = None
@@ -258,41 +295,6 @@ class PipelineStage(FailureHandling, nn.Module):
                     self._status.check(None, self._transport.unreceived)
         self._step = step
         return output
-
-    def _join_outputs(self, step: Step) -> Any:
-        outs = [detached(mb.output) for mb in step.micro]
-        step.sizes = [batch_size(o) for o in outs]
-        for mb in step.micro:
-            if mb.state is not None:
-                mb.output = None  # recomputed in the backward phase
-        joined = join(outs)
-        # One set of marks for the joined output; the per-micro-batch marks may differ (a checkpointed micro-batch
-        # can only guess which outputs will need a gradient), and the gradient split must line up with all of them.
-        marks = [any(col) for col in zip(*(mb.marks for mb in step.micro))]
-        for mb in step.micro:
-            mb.marks = marks
-        for t, mark in zip(tensors(joined), marks):
-            t.requires_grad_(mark)
-        step.output = joined
-        return joined
-
-    def _share_output(self, output: Any) -> Any:
-        """``output="all"``: every stage gets the last stage's output, so all can compute the same loss.
-        ``"placeholder"``: the others get zeros of its structure, shapes and dtypes (a header, no tensor data)."""
-        if self._output_mode == "last" or self._K == 1:
-            return output
-        assert self._transport is not None
-        if self.is_last:
-            if self._output_mode == "all":
-                sent, marks = output, [t.requires_grad for t in tensors(output)]
-            else:
-                sent, marks = tree_map(Placeholder.of, output), None
-            for dst in range(self._K - 1):
-                self._send(dst, sent, -1, requires_grad=marks, tag=OUTPUT_TAG)
-            return output
-        with self.timeline.record("recv-wait", -1, label="output"):
-            shared, _ = self._transport.recv(self._K - 1, "the pipeline's output", tag=OUTPUT_TAG)
-        return tree_map(lambda leaf: leaf.zeros(self._device) if isinstance(leaf, Placeholder) else leaf, shared)
 
     def backward(self, grad_output: Any = None) -> None:
         """Backward phase: drain the micro-batches in reverse, recomputing checkpointed ones before their gradient.
@@ -318,7 +320,13 @@ class PipelineStage(FailureHandling, nn.Module):
                     pending = tr.post_recv(self._k + 1, f"micro-batch {m}'s output gradient", expect=expect)
                 y = mb.output
                 if mb.state is not None:
-                    with self.timeline.record("recompute", m), mb.state.restore(), recomputing(), torch.enable_grad():
+                    with (
+                        self.timeline.record("recompute", m),
+                        mb.state.restore(),
+                        self._stateful.replay(mb.buffers),
+                        recomputing(),
+                        torch.enable_grad(),
+                    ):
                         y = self._run(mb.input, mix(step.seed, m))
                 if pending is not None:
                     with self.timeline.record("recv-wait", m):
@@ -339,51 +347,41 @@ class PipelineStage(FailureHandling, nn.Module):
                     input_grads[m] = g_in
             where[0] = None
             if self.is_first and step.input_leaves:
-                joined = [torch.cat(col) for col in zip(*input_grads)]
-                torch.autograd.backward(step.input_leaves, joined)
+                torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, self._batch_dim))
             if self._status is not None:
                 with self.timeline.record("status"):
                     self._status.check(None, tr.unreceived)
         if tr is not None:
             tr.wait_sends()
 
-    def _output_grads(self, step: Step, grad_output: Any) -> list[list[torch.Tensor]]:
-        leaves = tensors(step.output)
-        given = tensors(grad_output) if grad_output is not None else [t.grad for t in leaves]
-        # Zeros only for outputs that need a gradient and did not get one (unused by the loss).
-        grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(leaves, given) if t.requires_grad]
-        return [list(g) for g in split_by_sizes(grads, step.sizes)]
-
     def _evaluate(self, input: Any) -> Any:
         seed = draw_step_seed()
         with self._phase("evaluation") as where, deferred_statistics(), restored_streams(self._device):
-            micro_inputs = split(input, self._chunks) if self.is_first else []
-            outs = []
+            planned = plan_sizes(input, self._chunks, self._batch_dim) if self.is_first else []
+            micro_inputs = split_by_sizes(input, planned, self._batch_dim) if self.is_first else []
+            outs, sizes = [], []
             m, M = 0, len(micro_inputs)
             while m < M or (m == 0 and not self.is_first):
                 where[0] = m
-                x, M, seed = (micro_inputs[m], M, seed) if self.is_first else self._receive(m, training=False)
+                if self.is_first:
+                    x, n = micro_inputs[m], planned[m]
+                else:
+                    x, got = self._receive(m, training=False)
+                    M, n, seed = got["M"], got["n"], got["seed"]
                 with self.timeline.record("forward", m):
                     y = self._run(x, mix(seed, m), copy=False)
+                check_boundary(y, n, self._batch_dim, self._producer, self.is_last)
+                sizes.append(n)
                 if self.is_last:
                     outs.append(y)
                 else:
-                    self._send(self._k + 1, y, m, m=m, M=M, training=False, seed=seed)
+                    self._send(self._k + 1, y, m, m=m, M=M, n=n, training=False, seed=seed)
                 m += 1
             commit_deferred_batch_norm(self)
             where[0] = None
-            output = self._share_output(join(outs) if self.is_last else None)
+            output = self._share_output(join(outs, self._batch_dim, sizes) if self.is_last else None)
             if self._status_checked("evaluation"):
                 self._status.check(None, self._transport.unreceived)
         if self._transport is not None:
             self._transport.wait_sends()
         return output
-
-
-def _local_name(layers: list[tuple[str, nn.Module]], param: nn.Parameter) -> str:
-    return next(
-        f"{layer_name}.{name}"
-        for layer_name, layer in layers
-        for name, p in layer.named_parameters(remove_duplicate=False)
-        if p is param
-    )
