@@ -10,16 +10,12 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
-class Refusal(Exception):
-    """Raised by an ``agreed`` action whose message is already complete: it is passed on without its type name."""
+def agreed(action: Callable[[], T], message: Callable[[str], str]) -> T:
+    """``action()`` on this rank, then one collective: if it raised on any rank, every rank raises RuntimeError.
 
-
-def agreed(action: Callable[[], T], message: Callable[[str], str], error_type: type[Exception] = RuntimeError) -> T:
-    """``action()`` on this rank, then one collective: if it raised on any rank, every rank raises ``error_type``.
-
-    The message is ``message(causes)``, where ``causes`` names each rank that failed and its error (the error alone
-    when every rank failed alike). Ranks that did not fail raise too, so none goes on to a collective the failed
-    rank never reaches (gloo would report a closed connection there, NCCL would wait for its timeout).
+    The message is ``message(causes)``, where ``causes`` names each rank that failed and its error. Ranks that did
+    not fail raise too, so none goes on to a collective the failed rank never reaches (gloo would report a closed
+    connection there, NCCL would wait for its timeout).
     """
     result: Any = None
     error: Exception | None = None
@@ -27,7 +23,7 @@ def agreed(action: Callable[[], T], message: Callable[[str], str], error_type: t
         result = action()
     except Exception as e:
         error = e
-    mine = None if error is None else str(error) if isinstance(error, Refusal) else f"{type(error).__name__}: {error}"
+    mine = None if error is None else f"{type(error).__name__}: {error}"
     if dist.is_available() and dist.is_initialized():
         causes: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(causes, mine)
@@ -35,14 +31,14 @@ def agreed(action: Callable[[], T], message: Callable[[str], str], error_type: t
         causes = [mine]
     failed = [(rank, cause) for rank, cause in enumerate(causes) if cause is not None]
     if failed:
-        raise error_type(message(_describe(failed, len(causes)))) from error
+        raise RuntimeError(message(_describe(failed, len(causes)))) from error
     return result
 
 
 def _describe(failed: list[tuple[int, str]], world_size: int) -> str:
     texts = {cause for _, cause in failed}
     if len(failed) == world_size and len(texts) == 1:
-        return texts.pop()
+        return f"every rank: {texts.pop()}"
     by_text: dict[str, list[int]] = {}
     for rank, cause in failed:
         by_text.setdefault(cause, []).append(rank)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_gpipe import optimizer_format
-from lightning_gpipe.checkpoint_errors import Refusal, agreed
+from lightning_gpipe.checkpoint_errors import agreed
 
 METADATA = "meta.pt"  # the same name Lightning's own sharded checkpoints use
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -150,12 +150,11 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: li
     Checks the path, reads it and maps plain optimizer states on every rank alike, so that a bad checkpoint raises
     one error everywhere before any rank restores anything.
     """
-
-    def refuse(reason: str | None) -> None:
-        if reason is not None:
-            raise Refusal(reason)
-
-    agreed(lambda: refuse(checkpoint_problem(path)), lambda causes: causes, FileNotFoundError)
+    problems = _gather(checkpoint_problem(path))
+    seen = [rank for rank, problem in enumerate(problems) if problem]
+    if seen:
+        where = "" if len(seen) == len(problems) else f" (seen from ranks {seen}: give every rank the same files)"
+        raise FileNotFoundError(f"{problems[seen[0]]}{where}")
     layouts = _gather([optimizer_format.layout(model, optimizer) for optimizer in optimizers])
     state = local_state(model, optimizers)  # the keys this rank needs, and tensors to load into
     plain: dict[int, dict[str, Any]] = {}
@@ -170,7 +169,7 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: li
         state["state_dict"] = {k: v for k, v in full["state_dict"].items() if k in state["state_dict"]}
         for i, saved in enumerate(full.get("optimizer_states", [])[: len(optimizers)]):
             if optimizer_format.is_plain(saved):
-                plain[i] = _plain_optimizer_state(path, saved, [lay[i] for lay in layouts], order, i, model)
+                plain[i] = _plain_optimizer_state(path, saved, [lay[i] for lay in layouts], order, i)
             else:  # written by an earlier version: flattened to global names
                 state[f"optimizer_{i}"] = {k: v for k, v in saved.items() if k in state[f"optimizer_{i}"]}
         rest = {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")}
@@ -184,7 +183,7 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: li
 
 
 def _plain_optimizer_state(
-    path: Path, saved: dict[str, Any], layouts: list, order: list[str] | None, i: int, model: nn.Module
+    path: Path, saved: dict[str, Any], layouts: list, order: list[str] | None, i: int
 ) -> dict[str, Any]:
     """This rank's part of a position-numbered optimizer state (a plain Trainer's), or one clear error on every rank."""
     groups = optimizer_format.positions(layouts, order)

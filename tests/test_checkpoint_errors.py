@@ -99,7 +99,10 @@ def test_failed_save_raises_the_same_error_on_every_rank(tmp_path: Path) -> None
         f"RuntimeError: could not save the checkpoint folder {str(tmp_path / 'folder.ckpt')!r} {full}; it is "
         "incomplete (no meta.pt) and cannot be resumed"
     ), out
-    folder_error = f"RuntimeError: could not save the checkpoint folder {str(tmp_path / 'a_file' / 'sub' / 'x.ckpt')!r}"
+    folder_error = (
+        f"RuntimeError: could not save the checkpoint folder {str(tmp_path / 'a_file' / 'sub' / 'x.ckpt')!r} "
+        "(every rank: NotADirectoryError"
+    )
     assert out["folder, not a directory"].startswith(folder_error), out
     assert "rank 1: PermissionError: [Errno 13] Permission denied" in out["folder, no mkdir on rank 1"], out
     assert "rank 0" not in out["folder, no mkdir on rank 1"], out
