@@ -7,10 +7,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 # Under Lightning's logger, so the findings print where its own setup messages do (it sets INFO and a handler).
-log = logging.getLogger("lightning.pytorch.strategies.gpipe")
+logger = logging.getLogger("lightning.pytorch.strategies.gpipe")
 
 
 def _join(*parts: str) -> str:
@@ -93,18 +94,40 @@ def shared_with_outside(root: nn.Module, backbone: nn.Sequential, path: str) -> 
     return findings
 
 
-def report(findings: list[str], *, enabled: bool) -> None:
-    """One log line per finding (on one rank: the findings are the same everywhere)."""
-    if enabled:
-        for finding in findings:
-            log.info(f"GPipeStrategy: {finding}")
+class BackboneAudit:
+    """What setup must know before the backbone (at ``path`` in ``root``) is split, and the hand-over to the stage.
+
+    Taken on the whole backbone: its references (aliases) and the weights it shares with modules outside it. After
+    the split, :meth:`hand_over` points every reference at the stage (none may keep, save or train the whole
+    backbone) and logs one line per finding, ties across stages included.
+    """
+
+    def __init__(self, root: nn.Module, backbone: nn.Sequential, path: str) -> None:
+        self.path = path
+        self.references = backbone_references(root, backbone)
+        self.findings = [
+            f"self.{where} is self.{path}: both now hold this rank's pipeline stage"
+            for where, _, _ in self.references
+            if where != path
+        ]
+        self.findings += shared_with_outside(root, backbone, path)
+
+    def hand_over(self, stage: Any, *, log: bool) -> None:
+        point_at_stage(self.references, stage)
+        self.findings += [
+            f"self.{self.path}.{name} is tied across stages {list(stages)}: its gradient summed over them"
+            for name, stages, _ in stage.shared
+        ]
+        if log:  # the findings are the same on every rank
+            for finding in self.findings:
+                logger.info(f"GPipeStrategy: {finding}")
 
 
-def report_stateful_buffers(stage: Any, path: str, *, enabled: bool) -> None:
-    """A warning, once per stage, naming the buffers its layers change in forward: that cannot match one device
-    for every kind of state, and the user must know which kind theirs is."""
-    if not enabled:
-        return
+def report_stateful_buffers(stage: Any, path: str, dp_group: Any) -> bool:
+    """A warning, once per stage (by its first replica), naming the buffers its layers change in forward: that
+    cannot match one device for every kind of state, and the user must know which kind theirs is. Returns True."""
+    if dp_group is not None and dist.get_rank(dp_group) != 0:
+        return True
     names = [f"{path}.{name}" for name in stage.buffers_changed_in_forward]
     warnings.warn(
         f"GPipeStrategy: on stage {stage.stage}, the backbone's layers change these buffers in forward: "
@@ -115,3 +138,4 @@ def report_stateful_buffers(stage: Any, path: str, *, enabled: bool) -> None:
         "knowingly (lightning_gpipe.pipe.is_recomputing() tells a layer it is being recomputed)",
         stacklevel=2,
     )
+    return True

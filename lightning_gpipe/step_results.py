@@ -74,15 +74,14 @@ def _check_same_structure(described: list[Any], group: Any, last: int, device: t
     )
 
 
-def take_from_last_stage(
-    step_output: Any, module: nn.Module, results: Any, group: Any, last: int, device: torch.device
-) -> Any:
+def take_from_last_stage(step_output: Any, module: Any, group: Any, last: int, device: torch.device) -> Any:
     """Overwrite this rank's logged values and metric states with the last stage's, and return its step output.
 
     The other stages computed them from placeholder zeros. Every stage ran the same code on same-shaped values, so
     the tensors line up one to one (checked first); one coalesced broadcast per step (scalars, mostly) replaces them
     in place.
     """
+    results = module.trainer._results
     source = dist.get_rank(group) == last
     # The last stage's own loss keeps its graph (it drives the backward phase); the others get detached copies.
     returned = step_output if source else tree_map(lambda t: t.detach().clone() if _is_tensor(t) else t, step_output)

@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
@@ -26,21 +25,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_gpipe.audit import (
-    backbone_references,
-    point_at_stage,
-    report,
-    report_stateful_buffers,
-    shared_with_outside,
-)
+from lightning_gpipe.audit import BackboneAudit, report_stateful_buffers
 from lightning_gpipe.clean_exit import destroy_at_exit, keep_at_exit
 from lightning_gpipe.copies import WeightCopies
 from lightning_gpipe.materialize import has_meta_tensors, materialize, record_init
 from lightning_gpipe.metric_groups import sync_metrics_over
-from lightning_gpipe.pipe import PipelineStage
+from lightning_gpipe.pipe import PipelineError, PipelineStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.grads import BucketedAllReduce
-from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
 from lightning_gpipe.profiling import agreed_time_balance
 from lightning_gpipe.step_results import take_from_last_stage
 from lightning_gpipe.strategy_checkpoints import CheckpointHooks
@@ -50,6 +42,7 @@ from lightning_gpipe.strategy_predict import PredictHooks
 from lightning_gpipe.strategy_trace import TraceHooks, check_trace_args
 from lightning_gpipe.validation import (
     check_same_batch,
+    check_strategy_args,
     find_backbone,
     reject_closure_replaying_optimizers,
     reject_unsupported,
@@ -94,18 +87,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         trace_steps: int | list[int] = 5,
     ) -> None:
         super().__init__()
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks, M, must be an int ≥ 1")
-        if pipeline_parallel_size != "auto" and (
-            not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1
-        ):
-            raise ValueError(
-                f"GPipeStrategy(pipeline_parallel_size={pipeline_parallel_size!r}): give an int ≥ 1 or 'auto'"
-            )
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {list(CHECKPOINT_MODES)}")
-        if output not in ("all", "loss"):
-            raise ValueError(f"GPipeStrategy(output={output!r}): choose 'all' or 'loss'")
+        check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim)
         self.trace_steps = check_trace_args(trace_dir, trace_steps)
         self.trace_dir = trace_dir
         self.chunks = chunks
@@ -240,13 +222,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         else:
             # A plain optimizer's state dict numbers parameters in this order (checkpoints convert by it).
             self._plain_parameter_names = [n for n, _ in self.lightning_module.named_parameters()]
-            references = backbone_references(self.lightning_module, backbone)
-            findings = [
-                f"self.{path} is self.{self.backbone}: both now hold this rank's pipeline stage"
-                for path, _, _ in references
-                if path != self.backbone
-            ]
-            findings += shared_with_outside(self.lightning_module, backbone, self.backbone)
+            audit = BackboneAudit(self.lightning_module, backbone, self.backbone)
             on_meta = has_meta_tensors(self.lightning_module)
             whole = dict(self.lightning_module.named_modules()) if on_meta else {}
             balance = self.balance
@@ -274,13 +250,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
                 device=self.root_device,
                 timeout=self._timeout.total_seconds() if self._timeout else 1800.0,
             )
-            # Every alias too (self.vit.blocks and self.backbone): none may keep, save or train the whole backbone.
-            point_at_stage(references, self._stage)
-            findings += [
-                f"self.{self.backbone}.{p} is tied across stages {list(stages)}: its gradient summed over them"
-                for p, stages, _ in self._stage.shared
-            ]
-            report(findings, enabled=self.global_rank == 0)
+            audit.hand_over(self._stage, log=self.global_rank == 0)
             if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
                 seed = self.broadcast(torch.initial_seed())
                 record, self._init_record = getattr(self, "_init_record", None), None  # its CPU sources freed after
@@ -319,11 +289,8 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device, where no initializer has any effect; what it called is
-        recorded, and setup materializes only this rank's stage with the initialization configure_model gave it
-        (its modules' ``reset_parameters()`` seeded by name where that is what it was, the recorded calls
-        replayed otherwise, e.g. timm's ``init_weights``): the same weights whatever K, and a warning naming any
-        tensor it cannot initialize so (``lightning_gpipe.materialize``)."""
+        """``configure_model`` builds on the meta device with its initialization recorded; setup materializes only
+        this rank's stage with that initialization, the same whatever K (``lightning_gpipe.materialize``)."""
         with torch.device("meta"), record_init() as self._init_record:
             yield
 
@@ -355,16 +322,8 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         """``output="loss"``: the other stages computed on placeholder zeros; the last stage's values replace theirs."""
         if self.stage.output_mode != "placeholder" or self.pipeline_parallel_size == 1:
             return step_output
-        assert self.lightning_module is not None
-        results = self.lightning_module.trainer._results
-        return take_from_last_stage(
-            step_output,
-            self.lightning_module,
-            results,
-            self._pp_group,
-            self.pipeline_parallel_size - 1,
-            self.root_device,
-        )
+        last = self.pipeline_parallel_size - 1
+        return take_from_last_stage(step_output, self.lightning_module, self._pp_group, last, self.root_device)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._abort_on_error():
@@ -372,8 +331,6 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
 
     @contextmanager
     def _abort_on_error(self) -> Generator[None, None, None]:
-        from lightning_gpipe.pipe import PipelineError
-
         try:
             yield
         except PipelineError:
@@ -403,9 +360,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
             if drain:
                 self.stage.backward()
         if not self._stateful_reported and self.stage.buffers_changed_in_forward:
-            self._stateful_reported = True
-            first_replica = self._dp_group is None or dist.get_rank(self._dp_group) == 0
-            report_stateful_buffers(self.stage, self.backbone, enabled=first_replica)
+            self._stateful_reported = report_stateful_buffers(self.stage, self.backbone, self._dp_group)
         if not self._sync_blocked:
             with self.stage.timeline.record("reduce"):
                 self._reduce_gradients()
@@ -438,7 +393,6 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         self.accelerator.teardown()
 
 
-# `Trainer(strategy="gpipe")` once this module is imported (``import lightning_gpipe.strategy`` or
-# ``from lightning_gpipe import GPipeStrategy``).
+# `Trainer(strategy="gpipe")` once this module is imported (``import lightning_gpipe`` does).
 if GPipeStrategy.strategy_name not in StrategyRegistry:
     StrategyRegistry.register(GPipeStrategy.strategy_name, GPipeStrategy, description=GPipeStrategy.__doc__)

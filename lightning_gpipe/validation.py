@@ -11,6 +11,24 @@ from torch import nn
 
 from lightning_gpipe.pipe import PipelineStage
 from lightning_gpipe.pipe.microbatch import tensors
+from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
+
+
+def check_strategy_args(chunks: Any, pipeline_parallel_size: Any, checkpoint: Any, output: Any, batch_dim: Any) -> None:
+    """GPipeStrategy's own arguments, at construction."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks, M, must be an int ≥ 1")
+    if pipeline_parallel_size != "auto" and (not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1):
+        raise ValueError(f"GPipeStrategy(pipeline_parallel_size={pipeline_parallel_size!r}): give an int ≥ 1 or 'auto'")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {list(CHECKPOINT_MODES)}")
+    if output not in ("all", "loss"):
+        raise ValueError(f"GPipeStrategy(output={output!r}): choose 'all' or 'loss'")
+    if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+        raise ValueError(
+            f"GPipeStrategy(batch_dim={batch_dim!r}): the dimension that holds the samples, an int ≥ 0 (0 batch-first, "
+            "1 for time-major (T, N, ...) tensors)"
+        )
 
 
 def find_backbone(module: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
