@@ -150,6 +150,16 @@ def _counting_loss(self: Any, batch: Any) -> torch.Tensor:
     return F.mse_loss(self.head(self.backbone(self.prefix(x))), y)
 
 
+def _time_major() -> dict[str, nn.Module]:
+    layers = [nn.TransformerEncoderLayer(models.D, 2, 16, dropout=0.0) for _ in range(4)]  # (T, N, D) by default
+    return {"backbone": nn.Sequential(*layers), "head": nn.Linear(models.D, 5)}
+
+
+def _time_major_loss(self: Any, batch: Any) -> torch.Tensor:
+    x, y = batch  # (N, T, D) from the loader; the backbone takes (T, N, D)
+    return F.cross_entropy(self.head(self.backbone(x.transpose(0, 1)).mean(0)), y)
+
+
 def _probe() -> dict[str, nn.Module]:
     return {"prefix": nn.Linear(models.D, models.D), "backbone": models.mlp(), "head": nn.Linear(models.D, models.D)}
 
@@ -167,6 +177,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "hooks": {"before_step": _freeze},
     },
     "frozen_backbone": {"build": _probe, "loss": _frozen_backbone_loss, "data": "vectors"},
+    # nn.TransformerEncoderLayer's default layout: the samples are dim 1, and the strategy is told so.
+    "time_major": {"build": _time_major, "loss": _time_major_loss, "data": "sequences", "batch_dim": 1},
     # Counted once per micro-batch, never again in the recompute: N per step, as on one device.
     "counter": {"build": _counting, "loss": _counting_loss, "data": "vectors"},
 }
@@ -176,6 +188,8 @@ def _data(kind: str, n: int = 64) -> TensorDataset:  # 4 steps of 8 on each of 2
     g = torch.Generator().manual_seed(0)
     if kind == "images":
         return TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 5, (n,), generator=g))
+    if kind == "sequences":
+        return TensorDataset(torch.randn(n, 5, models.D, generator=g), torch.randint(0, 5, (n,), generator=g))
     if kind == "tokens":
         return TensorDataset(torch.randint(0, V, (n,), generator=g), torch.randint(0, V, (n,), generator=g))
     return TensorDataset(torch.randn(n, models.D, generator=g), torch.randn(n, models.D, generator=g))
@@ -215,6 +229,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
         chunks=spec.get("chunks", 4),
         pipeline_parallel_size=PP,
         backbone=spec.get("path", "backbone"),
+        batch_dim=spec.get("batch_dim", 0),
         save_distributed_checkpoint=False,
     )
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS)
@@ -364,7 +379,7 @@ def world_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
 
 
 WORLD2 = ["metrics_all", "vit_alias", "vit_dotted", "resnet_bn", "tied_frozen_unused", "frozen_backbone",
-          "counter", "metrics_loss", "loss_logging"]  # fmt: skip
+          "counter", "time_major", "metrics_loss", "loss_logging"]  # fmt: skip
 WORLD4 = ["metrics_all", "tied_frozen_unused"]
 
 
@@ -391,7 +406,8 @@ def _check_fit(results: list[dict[str, Any]], name: str) -> None:
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
-    "name", ["vit_alias", "vit_dotted", "resnet_bn", "tied_frozen_unused", "frozen_backbone", "counter"]
+    "name",
+    ["vit_alias", "vit_dotted", "resnet_bn", "tied_frozen_unused", "frozen_backbone", "counter", "time_major"],
 )
 def test_pp2_equals_plain(world2: list[dict[str, Any]], name: str) -> None:
     _check_fit(world2, name)
