@@ -32,6 +32,22 @@ class StatefulBuffers:
         self._module = module
         self._changed: set[str] = set()
         self._watched = False
+        self._owners: list[tuple[str, nn.Module]] = []
+
+    def begin(self) -> None:
+        """Find the modules that hold buffers, once per forward phase: watching only those keeps :meth:`mark` and
+        :meth:`learn` cheap enough to run on every micro-batch (most layers hold none)."""
+        self._owners = [
+            (f"{prefix}." if prefix else "", m)
+            for prefix, m in self._module.named_modules(remove_duplicate=False)
+            if m._buffers
+        ]
+
+    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for prefix, m in self._owners:
+            for leaf, b in m._buffers.items():
+                if b is not None:
+                    yield prefix + leaf, b
 
     @property
     def changed(self) -> list[str]:
@@ -40,11 +56,11 @@ class StatefulBuffers:
 
     def mark(self) -> Marks:
         # References rather than ids: an id can be reused by the tensor that replaces a freed buffer.
-        return {name: (b, _version(b)) for name, b in self._module.named_buffers(remove_duplicate=False)}
+        return {name: (b, _version(b)) for name, b in self._items()}
 
     def learn(self, marks: Marks) -> None:
         """Note the buffers changed since :meth:`mark`; once noted, a buffer is replayed from then on."""
-        for name, b in self._module.named_buffers(remove_duplicate=False):
+        for name, b in self._items():
             before = marks.get(name)
             if before is None or before[0] is not b or before[1] != _version(b):
                 self._changed.add(name)
@@ -53,9 +69,11 @@ class StatefulBuffers:
     def snapshot(self) -> Snapshot | None:
         """Copies of the buffers a recompute must start from; before anything was watched, of all of them (which
         ones change is only known afterwards). None when there are none."""
+        if self._watched and not self._changed:
+            return None
         copies: dict[int, torch.Tensor] = {}  # one copy per tensor, so that tied buffers stay tied
         snap = {}
-        for name, b in self._module.named_buffers(remove_duplicate=False):
+        for name, b in self._items():
             if name in self._changed or not self._watched:
                 if id(b) not in copies:
                     copies[id(b)] = b.detach().clone()

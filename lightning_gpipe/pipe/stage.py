@@ -258,6 +258,7 @@ class PipelineStage(FailureHandling, OutputHandling, LayerIndexing, nn.Module):
             micro_inputs, input_leaves = split_leaves(input, sizes, self._batch_dim) if self.is_first else ([], [])
             could_require = any(p.requires_grad for p in self.parameters())
             step = Step([], input_leaves=input_leaves, seed=seed)
+            self._stateful.begin()
             m, M = 0, len(micro_inputs)
             while m < M or (m == 0 and not self.is_first):
                 where[0] = m
