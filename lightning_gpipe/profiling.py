@@ -64,12 +64,14 @@ def backbone_input(module: nn.Module, backbone: nn.Module, example: Any) -> Any:
     return captured[0]
 
 
-def time_balance(module: nn.Module, backbone: nn.Sequential, K: int, chunks: int, device: torch.device) -> list[int]:
+def time_balance(
+    module: nn.Module, backbone: nn.Sequential, K: int, chunks: int, device: torch.device, batch_dim: int = 0
+) -> list[int]:
     """K layer counts from each backbone layer's forward + backward time on the first of M micro-batches."""
     example = getattr(module, "example_input_array", None)
     if example is None:
         raise ValueError(NO_EXAMPLE)
-    micro_batch = split(backbone_input(module, backbone, example), chunks)[0]
+    micro_batch = split(backbone_input(module, backbone, example), chunks, batch_dim=batch_dim)[0]
     return solve(costs_by_time(backbone, micro_batch, device=device), K)
 
 
@@ -90,6 +92,7 @@ def agreed_time_balance(
     *,
     on_meta: bool,
     rank: int,
+    batch_dim: int = 0,
     broadcast: Callable[[Any], Any],
 ) -> list[int]:
     """:func:`time_balance` on global rank 0 only, broadcast to every rank (timings differ per process; every
@@ -104,7 +107,7 @@ def agreed_time_balance(
     result: list[Any] = [None, None]
     if rank == 0:
         try:
-            result[0] = time_balance(module, backbone, K, chunks, device)
+            result[0] = time_balance(module, backbone, K, chunks, device, batch_dim)
         except Exception as e:  # any error in the user's forward: the other ranks wait in the broadcast below
             result[1] = e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")
     result = broadcast(result)

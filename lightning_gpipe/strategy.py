@@ -235,6 +235,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
                     self.root_device,
                     on_meta=on_meta,
                     rank=self.global_rank,
+                    batch_dim=self.batch_dim,
                     broadcast=self.broadcast,
                 )
             self._stage = PipelineStage(

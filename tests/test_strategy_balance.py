@@ -172,3 +172,23 @@ def test_costs_by_time_on_a_device_puts_every_layer_back() -> None:
     assert len(costs) == 6 and costs[1] > max(costs[2:5])
     assert all(p.device.type == "cpu" and torch.equal(p, params[k]) for k, p in module.backbone.named_parameters())
     assert all(p.grad is None for p in module.backbone.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_time_balance_splits_a_time_major_input_along_its_batch_dimension() -> None:
+    """With batch_dim=1 the profiled micro-batch holds N/M samples in dim 1 and the whole time axis in dim 0."""
+
+    class TimeMajor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+            self.example_input_array = torch.randn(3, BATCH, D)  # (T, N, D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
+
+    module = TimeMajor()
+    seen: list[tuple[int, ...]] = []
+    module.backbone[0].register_forward_pre_hook(lambda _, args: seen.append(tuple(args[0].shape)))
+    time_balance(module, module.backbone, 2, 4, torch.device("cpu"), batch_dim=1)
+    assert set(seen) == {(3, BATCH // 4, D)}, seen
