@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_gpipe.pipe.microbatch import tensors
 
 # Under Lightning's logger, so the findings print where its own setup messages do (it sets INFO and a handler).
 logger = logging.getLogger("lightning.pytorch.strategies.gpipe")
@@ -123,11 +127,49 @@ class BackboneAudit:
                 logger.info(f"GPipeStrategy: {finding}")
 
 
-def report_stateful_buffers(stage: Any, path: str, dp_group: Any) -> bool:
-    """A warning, once per stage (by its first replica), naming the buffers its layers change in forward: that
-    cannot match one device for every kind of state, and the user must know which kind theirs is. Returns True."""
-    if dp_group is not None and dist.get_rank(dp_group) != 0:
-        return True
+class StepAudit:
+    """What only a running training step shows, each said once: buffers the backbone's layers change in forward
+    (warned per stage, by its first replica, as soon as seen), and a backbone input split along a dimension that no
+    tensor of the loader's batch has as its samples (the first step, on global rank 0)."""
+
+    def __init__(self, stage: Any, path: str, batch_dim: int, dp_group: Any, rank: int) -> None:
+        self.path, self.batch_dim = path, batch_dim
+        self.first_replica = dp_group is None or dist.get_rank(dp_group) == 0
+        self.stateful_reported = False
+        self.split: int | None = None
+        self._hook = stage.register_forward_pre_hook(self._see_input) if rank == 0 and stage.is_first else None
+
+    def _see_input(self, _: nn.Module, args: tuple[Any, ...]) -> None:
+        from lightning_gpipe.pipe.microbatch import batch_size
+
+        if self._hook is not None and torch.is_grad_enabled() and args:
+            self._hook.remove()
+            self._hook = None
+            with contextlib.suppress(ValueError):  # a malformed input is the engine's to report
+                self.split = batch_size(args[0], self.batch_dim)
+
+    def __call__(self, stage: Any, batch: Any) -> None:
+        if self.split is not None:
+            sizes = {t.shape[0] for t in tensors(batch) if t.dim() > 0}
+            if sizes and self.split not in sizes:
+                warnings.warn(
+                    f"GPipeStrategy: self.{self.path}'s input was split into micro-batches along dim "
+                    f"{self.batch_dim}, of size {self.split}, but the loader's batch holds {sorted(sizes)} samples "
+                    f"(dim 0 of its tensors). If another dimension of the backbone's input holds the samples (a "
+                    "time-major (T, N, ...) layout), set GPipeStrategy(batch_dim=...): split along the wrong one, "
+                    "the results are silently wrong. If splitting this dimension is intended (tokens flattened "
+                    "into rows), ignore this.",
+                    stacklevel=2,
+                )
+            self.split = None
+        if not self.stateful_reported and stage.buffers_changed_in_forward:
+            self.stateful_reported = True
+            if self.first_replica:
+                _warn_stateful(stage, self.path)
+
+
+def _warn_stateful(stage: Any, path: str) -> None:
+    """That cannot match one device for every kind of state, and the user must know which kind theirs is."""
     names = [f"{path}.{name}" for name in stage.buffers_changed_in_forward]
     warnings.warn(
         f"GPipeStrategy: on stage {stage.stage}, the backbone's layers change these buffers in forward: "
@@ -136,6 +178,5 @@ def report_stateful_buffers(stage: Any, path: str, dp_group: Any) -> bool:
         "device, an average or EMA over batches does not. Re-materialization never repeats the change (the "
         "recompute restores them). Keep per-batch state outside the backbone, or update it per micro-batch "
         "knowingly (lightning_gpipe.pipe.is_recomputing() tells a layer it is being recomputed)",
-        stacklevel=2,
+        stacklevel=3,
     )
-    return True

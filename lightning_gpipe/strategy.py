@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_gpipe.audit import BackboneAudit, report_stateful_buffers
+from lightning_gpipe.audit import BackboneAudit, StepAudit
 from lightning_gpipe.clean_exit import destroy_at_exit, keep_at_exit
 from lightning_gpipe.copies import WeightCopies
 from lightning_gpipe.materialize import has_meta_tensors, materialize, record_init
@@ -96,7 +96,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         self.balance = balance
         self.checkpoint = checkpoint
         self.batch_dim = batch_dim
-        self._stateful_reported = False
+        self._step_audit: Callable[[PipelineStage, Any], None] = lambda stage, batch: None  # made in setup
         self.deferred_batch_norm = deferred_batch_norm
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.bucket_size_mb = bucket_size_mb
@@ -130,9 +130,8 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
 
     @property
     def pipeline_parallel_size(self) -> int:
-        if self._pipeline_parallel_size == "auto":
-            return self.num_nodes * self.num_processes
-        return self._pipeline_parallel_size
+        auto = self._pipeline_parallel_size == "auto"
+        return self.num_nodes * self.num_processes if auto else self._pipeline_parallel_size  # type: ignore[return-value]
 
     @property
     def data_parallel_size(self) -> int:
@@ -252,6 +251,7 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
                 timeout=self._timeout.total_seconds() if self._timeout else 1800.0,
             )
             audit.hand_over(self._stage, log=self.global_rank == 0)
+            self._step_audit = StepAudit(self._stage, self.backbone, self.batch_dim, self._dp_group, self.global_rank)
             if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
                 seed = self.broadcast(torch.initial_seed())
                 record, self._init_record = getattr(self, "_init_record", None), None  # its CPU sources freed after
@@ -307,9 +307,12 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
         self._trace_begin()
+        batch = args[0] if args else kwargs.get("batch")
         with self._abort_on_error():
-            check_same_batch(args[0] if args else kwargs.get("batch"), self.pipeline_parallel_size, self._header_group)
-            return self._from_last_stage(super().training_step(*args, **kwargs))
+            check_same_batch(batch, self.pipeline_parallel_size, self._header_group)
+            output = self._from_last_stage(super().training_step(*args, **kwargs))
+        self._step_audit(self.stage, batch)
+        return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._abort_on_error():
@@ -360,8 +363,6 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
             self._trace_loss()
             if drain:
                 self.stage.backward()
-        if not self._stateful_reported and self.stage.buffers_changed_in_forward:
-            self._stateful_reported = report_stateful_buffers(self.stage, self.backbone, self._dp_group)
         if not self._sync_blocked:
             with self.stage.timeline.record("reduce"):
                 self._reduce_gradients()

@@ -245,7 +245,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
         k: rel_err(v, want[k]) if v.is_floating_point() else float(not torch.equal(v, want[k])) for k, v in got.items()
     }
     out: dict[str, Any] = {"errors": errors, "keys": sorted(got), "moved": {}}
-    out["warned"] = [str(w.message) for w in caught if "change these buffers in forward" in str(w.message)]
+    out["warned"] = [str(w.message) for w in caught if str(w.message).startswith("GPipeStrategy")]
     # What the checkpoint file holds: exactly the plain module's keys and trained values.
     if trainer.is_global_zero:
         saved = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
@@ -263,6 +263,19 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
         if k in got:
             out["moved"][k] = (got[k] - initial[k]).abs().max().item()
     return out
+
+
+def unsaid_batch_dim_scenario(world_size: int) -> list[str]:
+    """A time-major backbone input without batch_dim: split along time, which the loader's batch does not have."""
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    module = _lightning_module(_time_major, _time_major_loss)
+    strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=PP)
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(_data("sequences"), batch_size=BATCH))
+    return [str(w.message) for w in caught if str(w.message).startswith("GPipeStrategy")]
 
 
 def loss_logging_scenario(world_size: int) -> str:
@@ -367,6 +380,8 @@ def world_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
     for name in names:
         if name == "loss_logging":
             out[name] = _guard(loss_logging_scenario, world_size)
+        elif name == "unsaid_batch_dim":
+            out[name] = _guard(unsaid_batch_dim_scenario, world_size)
         elif name.startswith("metrics"):
             out[name] = _guard(metrics_scenario, world_size, name.removeprefix("metrics_"))
         else:
@@ -379,7 +394,7 @@ def world_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
 
 
 WORLD2 = ["metrics_all", "vit_alias", "vit_dotted", "resnet_bn", "tied_frozen_unused", "frozen_backbone",
-          "counter", "time_major", "metrics_loss", "loss_logging"]  # fmt: skip
+          "counter", "time_major", "unsaid_batch_dim", "metrics_loss", "loss_logging"]  # fmt: skip
 WORLD4 = ["metrics_all", "tied_frozen_unused"]
 
 
@@ -445,6 +460,15 @@ def test_metrics_equal_the_plain_run(world2: list, world4: list, world: int, nam
         for kind in ("by_hand", "logged"):
             for metric, err in r[kind].items():
                 assert err <= 1e-6, (rank, kind, metric, err)
+
+
+@pytest.mark.timeout(420)
+def test_a_split_along_a_dimension_the_batch_does_not_have_is_named(world2: list[dict[str, Any]]) -> None:
+    """(T, N, D) with T = 5 split along dim 0 while the loader's tensors hold N = 8 samples: rank 0 says so, once."""
+    warned = [w["unsaid_batch_dim"] for w in world2]
+    assert not isinstance(warned[0], dict), warned[0]
+    assert len(warned[0]) == 1 and warned[1] == [], warned
+    assert "split into micro-batches along dim 0, of size 5" in warned[0][0] and "batch_dim" in warned[0][0]
 
 
 @pytest.mark.timeout(420)

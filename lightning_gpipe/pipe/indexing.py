@@ -25,6 +25,10 @@ class RemoteLayer(nn.Module):
             return super().__getattr__(name)
         raise AttributeError(f"{self.where}; its attribute {name!r} is only there (check stage.holds(i) first)")
 
+    def __getitem__(self, index: Any) -> Any:
+        # backbone[0][0].weight: the layer is a Sequential on another stage, its sublayers are there too.
+        raise TypeError(f"{self.where}; its sublayer [{index!r}] is only there (check stage.holds(i) first)")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"{self.where}; it can only run there, inside the pipeline")
 
