@@ -165,7 +165,8 @@ def _probe() -> dict[str, nn.Module]:
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {
-    "vit_alias": {"build": lambda: _vit(alias=True), "loss": _vit_loss, "data": "images"},
+    # Uneven: the alias used to keep the whole backbone, and an uneven split then died in a gloo size mismatch.
+    "vit_alias": {"build": lambda: _vit(alias=True), "loss": _vit_loss, "data": "images", "balance": [1, 3]},
     "vit_dotted": {"build": lambda: _vit(alias=False), "loss": _vit_loss, "data": "images", "path": "vit.blocks"},
     # BatchNorm normalizes each micro-batch: with M = 1 the pipelined run is the plain one exactly.
     "resnet_bn": {"build": _resnet, "loss": _resnet_loss, "data": "images", "chunks": 1},
@@ -230,6 +231,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
         pipeline_parallel_size=PP,
         backbone=spec.get("path", "backbone"),
         batch_dim=spec.get("batch_dim", 0),
+        balance=spec.get("balance", "parameters"),
         save_distributed_checkpoint=False,
     )
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS)
@@ -427,8 +429,9 @@ def _check_fit(results: list[dict[str, Any]], name: str) -> None:
 def test_pp2_equals_plain(world2: list[dict[str, Any]], name: str) -> None:
     _check_fit(world2, name)
     r = world2[0][name]
-    if name.startswith("vit"):  # memory ∝ the stage: each rank holds half of the blocks
-        assert r["stage_numel"] < 0.6 * sum(p.numel() for p in _vit(False)["vit"].blocks.parameters())
+    if name.startswith("vit"):  # memory ∝ the stage: stage 0 holds half of the blocks, or one of four (uneven)
+        blocks = sum(p.numel() for p in _vit(False)["vit"].blocks.parameters())
+        assert r["stage_numel"] == (blocks // 4 if name == "vit_alias" else blocks // 2), (r["stage_numel"], blocks)
     if name == "vit_alias":
         assert all(w[name]["alias_is_stage"] for w in world2)
     if name == "tied_frozen_unused":
