@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -15,3 +16,13 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """A test may set variables in this process (``seed_everything`` sets PL_GLOBAL_SEED); the processes later tests
+    start inherit them (Lightning seeds its DistributedSampler with PL_GLOBAL_SEED), so each test gets them back."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
