@@ -57,7 +57,7 @@ def point_at_stage(references: list[tuple[str, Any, str | int]], stage: nn.Modul
         container[key] = stage
 
 
-def _outside_modules(root: nn.Module, backbone: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def outside_modules(root: nn.Module, backbone: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Modules reachable from ``root`` without entering ``backbone``, with the first path that reaches them."""
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", root)]
@@ -73,19 +73,19 @@ def _outside_modules(root: nn.Module, backbone: nn.Module) -> Iterator[tuple[str
 
 def shared_with_outside(root: nn.Module, backbone: nn.Sequential, path: str) -> list[str]:
     """Findings: backbone layers held, or weights shared, by modules outside the backbone (before it is split)."""
-    outside_modules: dict[int, str] = {}
+    held: dict[int, str] = {}
     outside_params: dict[int, str] = {}
-    for name, m in _outside_modules(root, backbone):
-        outside_modules.setdefault(id(m), name)
+    for name, m in outside_modules(root, backbone):
+        held.setdefault(id(m), name)
         for key, p in m._parameters.items():
             if p is not None:
                 outside_params.setdefault(id(p), _join(name, key))
     findings = []
     for i, (layer_name, layer) in enumerate(backbone._modules.items()):
         assert layer is not None
-        if id(layer) in outside_modules:
+        if id(layer) in held:
             findings.append(
-                f"layer {i} ({type(layer).__name__}) of self.{path} is also self.{outside_modules[id(layer)]}: it is "
+                f"layer {i} ({type(layer).__name__}) of self.{path} is also self.{held[id(layer)]}: it is "
                 "kept on every stage, its parameters' gradients summed over the stages"
             )
             continue

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_gpipe.audit import outside_modules
 from lightning_gpipe.pipe import PipelineStage
 from lightning_gpipe.pipe.grads import sum_over_pipeline
 
@@ -84,24 +85,8 @@ def outside_parameters(module: nn.Module, stage: nn.Module) -> list[nn.Parameter
     of those modules shares. Walking the module tree (not ``module.parameters()``, which lists a shared weight at its
     first use, inside the stage on one rank and outside on another) keeps the order the same everywhere.
     """
-    seen_modules: set[int] = set()
-    seen: set[int] = set()
-    out: list[nn.Parameter] = []
-
-    def walk(m: nn.Module) -> None:
-        if m is stage or id(m) in seen_modules:
-            return
-        seen_modules.add(id(m))
-        for p in m._parameters.values():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        for child in m._modules.values():
-            if child is not None:
-                walk(child)
-
-    walk(module)
-    return out
+    params = (p for _, m in outside_modules(module, stage) for p in m._parameters.values() if p is not None)
+    return list({id(p): p for p in params}.values())
 
 
 def _broadcast(tensors: list[torch.Tensor], group: Any) -> None:
