@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gpipe.materialize import materialize
+from lightning_gpipe.materialize import materialize, record_init
 from lightning_gpipe.pipe import micro_batch_sizes
 from lightning_gpipe.tasks import ImageClassifier
 from lightning_gpipe.tasks.optim import decay_groups, inverse_sqrt, warmup_then_decay
@@ -51,10 +51,10 @@ class PlainMicroBatched(ImageClassifier):
 
     def configure_model(self) -> None:
         if self.backbone is None:
-            with torch.device("meta"):
+            with torch.device("meta"), record_init() as record:  # as GPipeStrategy.model_sharded_context does
                 super().configure_model()
             # The same initialization GPipeStrategy gives a model built on the meta device (seeded by module name).
-            materialize(self, dict(self.named_modules()), torch.device("cpu"), SEED)
+            materialize(self, dict(self.named_modules()), torch.device("cpu"), SEED, record)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpipe.materialize import materialize
+from lightning_gpipe.materialize import materialize, record_init
 from lightning_gpipe.tasks import Translator
 
 from launch import quiet_trainer, run_distributed
@@ -66,9 +66,9 @@ class PlainTranslator(Translator):
 
     def configure_model(self) -> None:
         if self.backbone is None:
-            with torch.device("meta"):
+            with torch.device("meta"), record_init() as record:  # as GPipeStrategy.model_sharded_context does
                 super().configure_model()
-            materialize(self, dict(self.named_modules()), torch.device("cpu"), SEED)
+            materialize(self, dict(self.named_modules()), torch.device("cpu"), SEED, record)
 
 
 def translations(module: Translator) -> dict[str, list[list[int]]]:
