@@ -52,6 +52,8 @@ class StatefulBuffers:
     @property
     def changed(self) -> list[str]:
         """Their names in the module, in its order."""
+        if not self._changed:  # read after every training step: no walk over the buffers in the usual case
+            return []
         return [name for name, _ in self._module.named_buffers(remove_duplicate=False) if name in self._changed]
 
     def mark(self) -> Marks:
