@@ -73,10 +73,11 @@ def worker(job_path: str) -> None:
     """One K: every run in the job, one Trainer.fit each, in this process and the K-1 that Lightning starts."""
     import lightning.pytorch as pl
 
+    from examples.amoebanet.classifier import ImageClassifier
+    from examples.amoebanet.data import ImageClassificationData
+    from examples.nmt.data.translation import TranslationData
+    from examples.nmt.translator import Translator
     from lightning_gpipe import GPipeStrategy
-    from lightning_gpipe.data.images import ImageClassificationData
-    from lightning_gpipe.data.translation import TranslationData
-    from lightning_gpipe.tasks import ImageClassifier, Translator
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # every K, every process: the same kernels, so only the pipeline can differ

@@ -41,7 +41,7 @@ from machine import (
 )
 from pipe_trace import stage_lines, trace_step
 
-from lightning_gpipe.pipe import PipelineStage
+from lightning_gpipe.pipe import GPipeStage
 
 LAYERS, D_MODEL, HEADS, FFN = 8, 256, 8, 1024
 BATCH, SEQ = 64, 32
@@ -101,7 +101,7 @@ def grads(module: nn.Module) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- one step: forward + loss + backward
-def ours_step(stage: PipelineStage, x: torch.Tensor, y: torch.Tensor) -> float | None:
+def ours_step(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor) -> float | None:
     out = stage(x if stage.is_first else None)
     loss = None
     if stage.is_last:
@@ -152,7 +152,7 @@ def run_job(rank: int, world: int, job: dict) -> dict:
 
 
 def k1_config(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, M: int, job: dict) -> dict:
-    stage = PipelineStage(copy.deepcopy(model), chunks=M, balance=[LAYERS], checkpoint=job["checkpoint"])
+    stage = GPipeStage(copy.deepcopy(model), chunks=M, balance=[LAYERS], checkpoint=job["checkpoint"])
     m = measure({"ours": zeroed(stage, lambda: ours_step(stage, x, y))}, job["timing"])
     return {"ours": m.records["ours"], "ours_first_loss": m.first["ours"], "paused_s": m.paused_s}
 
@@ -161,7 +161,7 @@ def k2_config(
     model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, M: int, rank: int, groups: tuple, job: dict
 ) -> dict:
     """Ours and torch's pipelines on the same weights, timed alternately step by step in the same two processes."""
-    ours = PipelineStage(copy.deepcopy(model), chunks=M, balance=[4, 4], checkpoint=job["checkpoint"], group=groups[0])
+    ours = GPipeStage(copy.deepcopy(model), chunks=M, balance=[4, 4], checkpoint=job["checkpoint"], group=groups[0])
     schedule, torch_module = build_torch(model, rank, M, groups[1], job["torch_checkpoint"])
     grad_diff: list[float] = []
 

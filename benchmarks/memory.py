@@ -30,7 +30,7 @@ from memory_probe import MALLOC_ENV, Meter, counting_saved, state_bytes, storage
 from memory_search import largest  # the size search
 
 from lightning_gpipe.models import amoebanet_d, transformer_nmt
-from lightning_gpipe.pipe import PipelineStage
+from lightning_gpipe.pipe import GPipeStage
 
 METHOD = """\
 **Method.** Every run is one training step (forward, loss, backward, Adam step with `foreach=False`), measured after
@@ -55,7 +55,7 @@ been measured: every maximum is bracketed by real runs (`verified`; else `--max-
 stage's model memory as a + c·size^p (p = 1 for L, 2 for D) and its activations as a + b·size, each through the two
 measured sizes nearest the budget (through zero while there is one), times the nearest one's worst/mean stage ratio;
 Pipeline-2 and -4 start from the previous pipeline's result × (K ratio)^(1/p). Naive-1 is the plain model in one
-process, no re-materialization; Pipeline-K runs `PipelineStage` (re-materialization, `checkpoint="except_last"`);
+process, no re-materialization; Pipeline-K runs `GPipeStage` (re-materialization, `checkpoint="except_last"`);
 for K > 1 its layers are split to even out 16 B × parameters + the bytes a layer saves for backward on one
 micro-batch (the last layer also carries 3× the joined output, for the loss), estimated on stage 0."""
 CONFIGS = {"Naive-1": 1, "Pipeline-1": 1, "Pipeline-2": 2, "Pipeline-4": 4}  # name: K
@@ -122,7 +122,7 @@ def run_config(rank: int, world: int, job: dict) -> list[dict]:
     else:
         costs = layer_costs(model, x, max(2, spec["N"] // M), spec["N"]) if world > 1 and rank == 0 else None
         balance: Any = [len(model)] if world == 1 else (lambda i, _layer: costs[i])
-        module = PipelineStage(model, chunks=M, balance=balance, checkpoint="except_last", group=group, device=device)
+        module = GPipeStage(model, chunks=M, balance=balance, checkpoint="except_last", group=group, device=device)
         del model
     module.to(device)
     xs = tuple(t.to(device) for t in x) if isinstance(x, tuple) else (x.to(device),)

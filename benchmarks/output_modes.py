@@ -1,4 +1,4 @@
-"""Cost of giving every stage the pipeline's output (output="all") vs only its placeholder (output="loss"), at K=2."""
+"""Cost of giving every stage the pipeline's output (output="all") vs zeros of its shape ("placeholder"), at K=2."""
 
 # A large-vocabulary head: the output is N × T × V logits, which "all" sends from the last stage to every other one.
 # Run from the repo root: python benchmarks/output_modes.py [--vocab 32000]
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import Runner, Timing, add_timing_args, launch, machine_info, measure, stats
 
-from lightning_gpipe.pipe import PipelineStage
+from lightning_gpipe.pipe import GPipeStage
 
 D_MODEL, LAYERS, BATCH, SEQ, M = 256, 6, 16, 32, 4
 
@@ -42,7 +42,7 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     y = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     model = build_model(vocab)
     half = len(model) // 2
-    stage = PipelineStage(model, chunks=M, balance=[half, len(model) - half], output="all")
+    stage = GPipeStage(model, chunks=M, balance=[half, len(model) - half], output="all")
 
     def step(mode: str) -> Any:
         stage.output_mode = mode

@@ -1,6 +1,6 @@
 """GPipe paper Table 4 from the timeline: where a pipelined step's time goes, as shares, for K = 2 and K = 4."""
 
-# What it runs: throughput.py's small AmoebaNet-D and Transformer, pipelined by PipelineStage over K processes (gloo
+# What it runs: throughput.py's small AmoebaNet-D and Transformer, pipelined by GPipeStage over K processes (gloo
 # on 127.0.0.1, 1 thread each, checkpoint="except_last", time-profiled balance), a training step = forward + loss +
 # backward + RMSProp update, with the stage's timeline on. Each step is traced on every stage (clocks lined up after
 # a barrier), then broken down by lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble (pipeline time in
@@ -28,7 +28,7 @@ import report
 from machine import launch, pause_until_quiet, timed, wait_quiet
 from throughput import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch
 
-from lightning_gpipe.pipe import PipelineStage, breakdown, gather_events
+from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
 from lightning_gpipe.pipe.gantt import plot_timeline
 from lightning_gpipe.pipe.trace import Event
 
@@ -40,7 +40,7 @@ STACK = ("forward", "backward", "recompute", "waiting", "transfer", "update", "o
 SHARES = ("forward", "backward", "recompute", "bubble", "transfer", "load_imbalance", "update", "other")
 
 
-def traced_step(stage: PipelineStage, optimizer: torch.optim.Optimizer, x: Any, target: torch.Tensor) -> list:
+def traced_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, target: torch.Tensor) -> list:
     """One training step with the timeline on; every stage's events, lined up at the step's start (a collective)."""
     timeline = stage.timeline
     timeline.clear()
@@ -52,7 +52,7 @@ def traced_step(stage: PipelineStage, optimizer: torch.optim.Optimizer, x: Any, 
     stage.backward()
     start = time.perf_counter_ns()
     optimizer.step()
-    timeline.events.append(Event("update", stage.stage, -1, start, time.perf_counter_ns()))
+    timeline.events.append(Event("update", stage.index, -1, start, time.perf_counter_ns()))
     timeline.enabled = False
     return gather_events(timeline, origin_ns=origin)
 
@@ -80,7 +80,7 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, entry in job["models"].items():
         torch.manual_seed(0)
-        stage = PipelineStage(build(name, entry["sizes"]), chunks=job["M"], balance=entry["balance"])
+        stage = GPipeStage(build(name, entry["sizes"]), chunks=job["M"], balance=entry["balance"])
         optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
         x, target = make_batch(name, entry["sizes"])
         steps: list[dict] = []

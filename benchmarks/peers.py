@@ -39,7 +39,7 @@ from peers_variable import (  # variable lengths, and the probes of torch's sche
 )
 from torch import nn
 
-from lightning_gpipe.pipe import PipelineStage
+from lightning_gpipe.pipe import GPipeStage
 
 # engine_speed's model and batch sizes (its module globals), and a small one for --smoke.
 FULL = {k: getattr(es, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH", "SEQ")}
@@ -84,7 +84,7 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     for M in job["micro_batches"]:
         groups = [dist.new_group([0, 1]) for _ in range(3)]  # each pipeline on its own group
         ours = {
-            mode: PipelineStage(copy.deepcopy(model), chunks=M, balance=[half, half], checkpoint=mode, group=g)
+            mode: GPipeStage(copy.deepcopy(model), chunks=M, balance=[half, half], checkpoint=mode, group=g)
             for mode, g in zip(("except_last", "always"), groups)
         }
         schedule, tmod = es.build_torch(model, rank, M, groups[2], "stage")
@@ -202,7 +202,7 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
         table(ratios, RATIO_COLS),
         f"First-step loss (max abs. gradient difference from plain's), same weights and batch: {sanity}",
         f"## Variable sequence length: {var}",
-        "`torch GPipe rebuilt per step`: a new torch `PipelineStage` + `ScheduleGPipe` around the same stage module "
+        "`torch GPipe rebuilt per step`: a new torch `GPipeStage` + `ScheduleGPipe` around the same stage module "
         "every step; its time includes the build and torch's runtime shape inference. Step -1 is the warm-up.",
         table(var_rows, VAR_COLS.format(tol=REL_TOL)),
         table(per_step, STEP_COLS),

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from machine import broadcast_from_last, free_port, timed
 from torch import nn
 
-from lightning_gpipe.pipe import PipelineStage
+from lightning_gpipe.pipe import GPipeStage
 
 # The systems timed at variable lengths (plain: the reference for the losses), and the relative loss difference from
 # plain that still counts as a match (peers.py reports both).
@@ -49,7 +49,7 @@ def rel(a: float | None, b: float | None) -> float | None:
 
 
 def torch_rebuilt_step(module: nn.Module, rank: int, M: int, group: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-    """A new torch PipelineStage + ScheduleGPipe around the same stage module, then one step (shape inferred anew)."""
+    """A new torch GPipeStage + ScheduleGPipe around the same stage module, then one step (shape inferred anew)."""
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import ScheduleGPipe
@@ -62,7 +62,7 @@ def variable_lengths(rank: int, model: nn.Sequential, job: dict) -> list[dict]:
     """The same layers, one step per length in turn: ours, plain, and torch's stage + schedule rebuilt every step."""
     M, last, half = job["var_m"], rank == 1, es.LAYERS // 2
     g_ours, g_torch = dist.new_group([0, 1]), dist.new_group([0, 1])
-    ours = PipelineStage(copy.deepcopy(model), chunks=M, balance=[half, half], group=g_ours)
+    ours = GPipeStage(copy.deepcopy(model), chunks=M, balance=[half, half], group=g_ours)
     plain = copy.deepcopy(model)
     tmod = es.CheckpointedStage(list(copy.deepcopy(model))[rank * half : (rank + 1) * half], "stage")
     steps: list[dict] = []

@@ -9,12 +9,12 @@ from typing import Any
 import torch.distributed as dist
 from machine import Timing, pause_until_quiet, timed
 
-from lightning_gpipe.pipe import PipelineStage, gather_events, write_chrome_trace
+from lightning_gpipe.pipe import GPipeStage, gather_events, write_chrome_trace
 
 COMPUTE = ("forward", "recompute", "backward")
 
 
-def trace_step(stage: PipelineStage, step: Callable[[], Any], timing: Timing, path: str) -> dict:
+def trace_step(stage: GPipeStage, step: Callable[[], Any], timing: Timing, path: str) -> dict:
     """One extra step with the timeline on (the first clean one of up to 5), written to ``path`` as a Chrome trace.
 
     A collective: every rank calls it; rank 0 gets the summary (span, the step's ``timed`` record, per-stage times),

@@ -1,7 +1,7 @@
 """GPipe paper Table 2 on CPU processes: training throughput against K stages and M micro-batches, as ratios."""
 
 # What it runs: a small AmoebaNet-D (32×32 images, 10 classes, cross-entropy) and a small Transformer T(L, H, A)
-# (random token ids, no padding, cross-entropy on the shifted target), each pipelined by PipelineStage over K
+# (random token ids, no padding, cross-entropy on the shifted target), each pipelined by GPipeStage over K
 # processes (gloo on 127.0.0.1, 1 thread each, checkpoint="except_last"), for every K in --ks and M in
 # --micro-batches, with the same global batch in every row. A step is `barrier; forward + loss + backward; barrier`
 # (gradients zeroed before it, no optimizer), timed as the max over ranks; medians over the clean steps after warm-up
@@ -44,7 +44,7 @@ from machine import (
 )
 
 from lightning_gpipe.models import amoebanet_d, transformer_nmt
-from lightning_gpipe.pipe import PipelineStage, solve
+from lightning_gpipe.pipe import GPipeStage, solve
 from lightning_gpipe.pipe.partition import costs_by_time, resolve_balance
 
 SEED, PAD, BOS = 0, 0, 1
@@ -104,7 +104,7 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- workers
-def train_step(stage: PipelineStage, x: Any, target: torch.Tensor) -> float | None:
+def train_step(stage: GPipeStage, x: Any, target: torch.Tensor) -> float | None:
     out = stage(x if stage.is_first else None)
     loss = None
     if stage.is_last:
@@ -115,14 +115,14 @@ def train_step(stage: PipelineStage, x: Any, target: torch.Tensor) -> float | No
 
 
 def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """One K (= world): every model at every M, each M in a fresh PipelineStage on the same weights."""
+    """One K (= world): every model at every M, each M in a fresh GPipeStage on the same weights."""
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, probe() if job["probe"] else None)
     out: dict[str, Any] = {"probe_gflops": gathered}
     for name, entry in job["models"].items():
         model, (x, target) = build(name, entry["sizes"]), make_batch(name, entry["sizes"])
         for M in job["micro_batches"]:
-            stage = PipelineStage(copy.deepcopy(model), chunks=M, balance=entry["balance"], checkpoint="except_last")
+            stage = GPipeStage(copy.deepcopy(model), chunks=M, balance=entry["balance"], checkpoint="except_last")
             runner = Runner(partial(stage.zero_grad, set_to_none=True), partial(train_step, stage, x, target))
             t0 = time.perf_counter()
             m = measure({"pipe": runner}, job["timing"])

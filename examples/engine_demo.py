@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_gpipe.pipe import PipelineStage
+from lightning_gpipe.pipe import GPipeStage
 
 L, D, N, M, STEPS, EVERY = 8, 32, 64, 4, 300, 30
 
@@ -34,7 +34,7 @@ def make_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    stage = PipelineStage(make_backbone(), chunks=M, balance="parameters", checkpoint="except_last")
+    stage = GPipeStage(make_backbone(), chunks=M, balance="parameters", checkpoint="except_last")
     optimizer = torch.optim.Adam(stage.parameters(), lr=1e-2)
     if stage.is_last:
         print(f"K={stage.num_stages} stages, balance {stage.balance}, M={M} micro-batches of {N // M} samples")

@@ -3,10 +3,10 @@
 from importlib.util import find_spec
 from typing import Any
 
-from lightning_gpipe.pipe import PipelineError, PipelineStage, PipelineTimeout
+from lightning_gpipe.pipe import GPipeStage, PipelineError, PipelineTimeout
 
 __version__ = "0.1.0.dev0"
-__all__ = ["GPipeStrategy", "PipelineError", "PipelineStage", "PipelineTimeout", "__version__"]
+__all__ = ["GPipeStage", "GPipeStrategy", "PipelineError", "PipelineTimeout", "__version__"]
 
 # Importing the package registers Trainer(strategy="gpipe") (and `strategy: gpipe` in LightningCLI YAML), as the
 # README promises; without Lightning installed the engine still imports.

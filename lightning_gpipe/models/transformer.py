@@ -58,7 +58,8 @@ class _XavierLinear(nn.Linear):
     """nn.Linear initialized Xavier-uniform × ``gain`` with a zero bias, in ``reset_parameters``.
 
     The init lives in ``reset_parameters`` rather than in a pass over the built model because a model built on the
-    meta device is initialized by calling each module's own ``reset_parameters`` (``lightning_gpipe.materialize``).
+    meta device is initialized by calling each module's own ``reset_parameters`` (see GPipeStrategy's
+    ``configure_model`` support).
     """
 
     def __init__(self, in_features: int, out_features: int, gain: float = 1.0) -> None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpipe.pipe.checkpoint import is_recomputing
+from lightning_gpipe.pipe.rematerialize import is_recomputing
 from lightning_gpipe.pipe.sync_batchnorm import Moments, merge_moments, sync_batch_norm
 
 __all__ = [

@@ -11,7 +11,7 @@ from lightning_gpipe.pipe.transport import OUTPUT_TAG
 
 
 class FailureHandling:
-    """Mixed into PipelineStage: the error paths of its phases, kept apart from the schedule that runs them."""
+    """Mixed into GPipeStage: the error paths of its phases, kept apart from the schedule that runs them."""
 
     _broken: PipelineError | None
     _step: Any

@@ -37,7 +37,7 @@ class RemoteLayer(nn.Module):
 
 
 class LayerIndexing:
-    """Mixed into PipelineStage: ``len(stage)`` is L, all layers of the backbone; ``stage[i]`` is layer i (global,
+    """Mixed into GPipeStage: ``len(stage)`` is L, all layers of the backbone; ``stage[i]`` is layer i (global,
     negative too) when this stage holds it and a :class:`RemoteLayer` otherwise; ``stage[a:b]`` is an nn.Sequential
     of the layers of that range this stage holds, under their global names; iterating gives ``stage[0]`` to
     ``stage[L - 1]``. Placeholders are made on demand and never registered, so state dicts and named_modules only

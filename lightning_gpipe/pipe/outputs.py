@@ -14,7 +14,7 @@ from lightning_gpipe.pipe.transport import OUTPUT_TAG
 
 
 class OutputHandling:
-    """Mixed into PipelineStage: what happens to the last stage's micro-batch outputs."""
+    """Mixed into GPipeStage: what happens to the last stage's micro-batch outputs."""
 
     _K: int
     _batch_dim: int

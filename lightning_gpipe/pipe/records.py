@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_gpipe.pipe.checkpoint import ForwardState
+from lightning_gpipe.pipe.rematerialize import ForwardState
 from lightning_gpipe.pipe.transport import TensorMeta
 
 

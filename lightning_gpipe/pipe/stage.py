@@ -18,7 +18,6 @@ from lightning_gpipe.pipe.batchnorm import (
 )
 from lightning_gpipe.pipe.boundary import check_boundary
 from lightning_gpipe.pipe.buffers import StatefulBuffers
-from lightning_gpipe.pipe.checkpoint import ForwardState, recomputing
 from lightning_gpipe.pipe.errors import PipelineError
 from lightning_gpipe.pipe.failures import FailureHandling
 from lightning_gpipe.pipe.indexing import LayerIndexing
@@ -34,6 +33,7 @@ from lightning_gpipe.pipe.microbatch import (
 from lightning_gpipe.pipe.outputs import OutputHandling
 from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, stage_layers
 from lightning_gpipe.pipe.records import OUTPUT_MODES, MicroBatch, OutputMode, Step
+from lightning_gpipe.pipe.rematerialize import ForwardState, recomputing
 from lightning_gpipe.pipe.rng import draw_step_seed, mix, name_key, reseed, restored_streams
 from lightning_gpipe.pipe.schedule import Checkpoint, backward_order, is_checkpointed, validate_checkpoint
 from lightning_gpipe.pipe.status import StatusCheck
@@ -41,7 +41,7 @@ from lightning_gpipe.pipe.trace import Timeline
 from lightning_gpipe.pipe.transport import TensorMeta, Transport, cpu_group
 
 
-class PipelineStage(FailureHandling, OutputHandling, LayerIndexing, nn.Module):
+class GPipeStage(FailureHandling, OutputHandling, LayerIndexing, nn.Module):
     """Stage k of K: owns a contiguous slice of an ``nn.Sequential`` and runs it as GPipe does.
 
     Every rank of the pipeline group builds it from the same ``nn.Sequential`` and keeps only its own layers, named as
@@ -146,7 +146,8 @@ class PipelineStage(FailureHandling, OutputHandling, LayerIndexing, nn.Module):
         ]
 
     @property
-    def stage(self) -> int:
+    def index(self) -> int:
+        """k: this stage's place in the pipeline, 0 … K−1."""
         return self._k
 
     @property

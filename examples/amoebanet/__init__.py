@@ -1,0 +1,1 @@
+"""AmoebaNet-D image classification: the ``ImageClassifier`` LightningModule, image data, LightningCLI configs."""

@@ -1,0 +1,1 @@
+"""Transformer translation: the ``Translator`` LightningModule, generated multilingual data, LightningCLI configs."""

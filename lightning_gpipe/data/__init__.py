@@ -1,1 +1,0 @@
-"""Example data for lightning-gpipe: Lightning DataModules that give every pipeline stage the same batch."""

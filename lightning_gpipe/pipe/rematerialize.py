@@ -1,0 +1,68 @@
+"""Re-materialization state: RNG and autocast captured at forward, replayed at recompute, and the recompute flag."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while a stage re-runs a checkpointed micro-batch in the backward phase (``lightning_gpipe.pipe``).
+
+    For authors of layers with state. A checkpointed micro-batch runs its forward twice: once in the forward
+    phase, once more ("recompute") just before its backward, and the two must compute the same thing. Buffers the
+    forward changes (a counter, an EMA of activations, non-deferred BatchNorm statistics) are handled for you: the
+    stage notices which buffers its layers change, runs each recompute on a copy of them as they were before that
+    micro-batch's forward, and puts the real ones back afterwards, so each micro-batch updates them exactly once
+    (M updates per mini-batch, as M separate forward calls would; not 2M-1). See
+    ``GPipeStage.buffers_changed_in_forward``. Anything else a forward does to the outside world (Python
+    attributes, counters on ``self`` that are not buffers, logging, appending to a list, collectives) is not
+    undone: guard it with ``if not is_recomputing(): ...``, as :class:`DeferredBatchNorm` does for its statistics.
+    """
+    return getattr(_local, "recomputing", False)
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    previous = is_recomputing()
+    _local.recomputing = True
+    try:
+        yield
+    finally:
+        _local.recomputing = previous
+
+
+@dataclass
+class ForwardState:
+    """What a recompute must restore so that it repeats the forward bit for bit."""
+
+    cpu_rng: torch.Tensor
+    cuda_rng: dict[int, torch.Tensor]
+    autocast: dict[str, tuple[bool, torch.dtype]]
+
+    @classmethod
+    def capture(cls, devices: list[torch.device]) -> ForwardState:
+        cuda_rng = {d.index: torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda" and d.index is not None}
+        autocast = {
+            t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+            for t in ("cpu", "cuda")
+            if t == "cpu" or torch.cuda.is_available()
+        }
+        return cls(torch.get_rng_state(), cuda_rng, autocast)
+
+    @contextlib.contextmanager
+    def restore(self) -> Iterator[None]:
+        """Run the block with the captured RNG and autocast state; the caller's RNG streams are left untouched."""
+        with torch.random.fork_rng(devices=list(self.cuda_rng), enabled=True), contextlib.ExitStack() as stack:
+            torch.set_rng_state(self.cpu_rng)
+            for index, state in self.cuda_rng.items():
+                torch.cuda.set_rng_state(state, index)
+            for device_type, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            yield

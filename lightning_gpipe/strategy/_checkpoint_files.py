@@ -1,0 +1,254 @@
+"""Checkpoints of a pipelined LightningModule: a torch.distributed.checkpoint folder, or one ordinary file.
+
+Every rank holds its stage's layers under their global names (``backbone.6.weight``) plus the replicated
+parameters, so the union of the ranks' state dicts is the plain module's state dict. In a folder, optimizer states
+are flattened to the same global names (``state.backbone.6.weight.exp_avg``), which keeps the stages' states apart
+and lets a checkpoint written with one layout (K stages × D replicas) be read with any other. A single file holds
+them as a plain Trainer does (see ``optimizer_format``), so either kind of run resumes the other's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from lightning_gpipe.strategy import _optimizer_format as optimizer_format
+from lightning_gpipe.strategy._checkpoint_errors import agreed
+
+METADATA = "meta.pt"  # the same name Lightning's own sharded checkpoints use
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def local_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """This rank's model and optimizer states, under global names."""
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    for i, optimizer in enumerate(optimizers):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+    return state
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / METADATA).is_file()
+
+
+def has_tensors(path: Path) -> bool:
+    """A DCP folder whose tensors are complete: torch writes ``.metadata`` once every rank has written its shards."""
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def save_sharded(checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list, rank: int) -> None:
+    """A DCP folder: tensors written once (keys replicated on several ranks are de-duplicated), the rest in meta.pt."""
+
+    def failed(causes: str) -> str:
+        return (
+            f"could not save the checkpoint folder {str(path)!r} ({causes}); it is incomplete (no {METADATA}) and "
+            "cannot be resumed. Save to a directory that is writable, with free space, from every rank's machine "
+            "(trainer.save_checkpoint(path), ModelCheckpoint(dirpath=...))"
+        )
+
+    def prepare() -> dict[str, Any]:
+        path.mkdir(parents=True, exist_ok=True)
+        return local_state(model, optimizers)
+
+    agreed(lambda: path.unlink() if rank == 0 and path.is_file() else None, failed)  # an old single-file checkpoint
+    checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    state = agreed(prepare, failed)
+    agreed(lambda: dcp.save(state, checkpoint_id=path), failed)  # DCP raises on every rank alike; agreed for safety
+    agreed(lambda: torch.save(checkpoint, path / METADATA) if rank == 0 else None, failed)
+
+
+def save_single_file(
+    checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list, rank: int, order: list[str] | None
+) -> None:
+    """One ordinary Lightning checkpoint on rank 0, as a plain (single-device) Trainer writes it: the plain module's
+    keys, and each optimizer's state in torch's position-numbered format when the positions are provable."""
+
+    def failed(causes: str) -> str:
+        return (
+            f"could not save the checkpoint {str(path)!r} ({causes}); it was not written. Save to a path that is "
+            "writable, with free space, from rank 0's machine (trainer.save_checkpoint(path), "
+            "ModelCheckpoint(dirpath=...))"
+        )
+
+    layouts = _gather([optimizer_format.layout(model, optimizer) for optimizer in optimizers])
+    plans = [optimizer_format.positions([lay[i] for lay in layouts], order) for i in range(len(optimizers))]
+
+    def mine() -> dict[str, Any]:
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+        for i, (optimizer, plan) in enumerate(zip(optimizers, plans)):
+            if isinstance(plan, list):
+                state[f"optimizer_{i}"] = optimizer_format.named_state(model, optimizer)
+            else:
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        return _to_cpu(state)
+
+    gathered = _gather(agreed(mine, failed))
+
+    def write() -> None:
+        merged = dict(checkpoint)
+        merged["state_dict"] = {k: v for part in gathered for k, v in part["state_dict"].items()}
+        merged["optimizer_states"] = []
+        for i, plan in enumerate(plans):
+            parts = [part[f"optimizer_{i}"] for part in gathered]
+            if isinstance(plan, list):
+                merged["optimizer_states"].append(optimizer_format.to_plain(parts, plan))
+            else:
+                warnings.warn(
+                    f"GPipeStrategy: {str(path)!r} stores optimizer {i}'s state by parameter name, as its positions "
+                    f"are not provable: {plan}. Pipelined runs resume it, a plain (single-device or DDP) Trainer "
+                    "cannot; build the optimizer from self.parameters(), or from filters over "
+                    "self.named_parameters(), in the module's order for a checkpoint both can read",
+                    stacklevel=2,
+                )
+                merged["optimizer_states"].append({k: v for part in parts for k, v in part.items()})
+        if path.is_dir():
+            shutil.rmtree(path)  # an old checkpoint folder of the same name
+        path.parent.mkdir(parents=True, exist_ok=True)  # as Lightning's CheckpointIO does
+        torch.save(merged, path)
+
+    agreed(write if rank == 0 else lambda: None, failed)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a checkpoint to resume from, naming the fix; None if it is one."""
+    if path.is_file() or is_sharded(path):
+        return None
+    if not path.exists():
+        return f"no checkpoint at {str(path)!r} (a Lightning .ckpt file, or a GPipeStrategy checkpoint folder)"
+    if not path.is_dir():
+        return f"{str(path)!r} is neither a checkpoint file nor a checkpoint folder"
+    weights = (
+        f"Its weights are complete (torch's .metadata is there): start a fresh run from them with "
+        f"lightning_gpipe.strategy._checkpoint_files.load_weights(Path({str(path)!r}), module)"
+        if has_tensors(path)
+        else "Its tensors are incomplete too (no .metadata)"
+    )
+    return (
+        f"cannot resume from the folder {str(path)!r}: it has no {METADATA}, the file rank 0 writes last in a "
+        f"GPipeStrategy checkpoint folder (loops, callbacks, epoch). Its save was interrupted, or it is not a "
+        f"checkpoint; resume from another checkpoint (ckpt_path=...). {weights}"
+    )
+
+
+def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: list[str] | None) -> dict[str, Any]:
+    """Restore this rank's part from either kind of checkpoint; returns the rest (loops, callbacks, epoch...).
+
+    Checks the path, reads it and maps plain optimizer states on every rank alike, so that a bad checkpoint raises
+    one error everywhere before any rank restores anything.
+    """
+    problems = _gather(checkpoint_problem(path))
+    seen = [rank for rank, problem in enumerate(problems) if problem]
+    if seen:
+        where = "" if len(seen) == len(problems) else f" (seen from ranks {seen}: give every rank the same files)"
+        raise FileNotFoundError(f"{problems[seen[0]]}{where}")
+    layouts = _gather([optimizer_format.layout(model, optimizer) for optimizer in optimizers])
+    state = local_state(model, optimizers)  # the keys this rank needs, and tensors to load into
+    plain: dict[int, dict[str, Any]] = {}
+    if is_sharded(path):
+        dcp.load(state, checkpoint_id=path)
+        rest = torch.load(path / METADATA, weights_only=False)
+    else:
+        full = agreed(
+            lambda: torch.load(path, map_location="cpu", weights_only=False),
+            lambda causes: f"could not read the checkpoint {str(path)!r} ({causes})",
+        )
+        state["state_dict"] = {k: v for k, v in full["state_dict"].items() if k in state["state_dict"]}
+        for i, saved in enumerate(full.get("optimizer_states", [])[: len(optimizers)]):
+            if optimizer_format.is_plain(saved):
+                plain[i] = _plain_optimizer_state(path, saved, [lay[i] for lay in layouts], order, i)
+            else:  # written by an earlier version: flattened to global names
+                state[f"optimizer_{i}"] = {k: v for k, v in saved.items() if k in state[f"optimizer_{i}"]}
+        rest = {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")}
+    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        if i in plain:
+            optimizer.load_state_dict(plain[i])
+        else:
+            set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=_FLAT)
+    return rest
+
+
+def _plain_optimizer_state(
+    path: Path, saved: dict[str, Any], layouts: list, order: list[str] | None, i: int
+) -> dict[str, Any]:
+    """This rank's part of a position-numbered optimizer state (a plain Trainer's), or one clear error on every rank."""
+    groups = optimizer_format.positions(layouts, order)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        if isinstance(groups, str):
+            raise ValueError(groups)
+        return optimizer_format.local_plain(saved, groups, layouts, layouts[rank])
+    except ValueError as e:
+        raise ValueError(
+            f"cannot restore optimizer {i} from {str(path)!r}: its state numbers parameters by position, as a plain "
+            f"(single-device or DDP) Trainer writes it, and this run cannot match the positions with parameters "
+            f"exactly: {e}. Configure the optimizer as the run that saved it did, from self.parameters() or from "
+            "filters over self.named_parameters() in the module's order; or start afresh from its weights alone "
+            "with lightning_gpipe.strategy._checkpoint_files.load_weights(path, module)"
+        ) from None
+
+
+def load_weights(path: Path, model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy the weights this rank holds from either kind of checkpoint, except keys starting with ``skip``.
+
+    For fine-tuning from another run: the optimizer, loops and callbacks start afresh, and the skipped modules (a
+    classifier sized for other classes) keep their new initialization. Returns the keys loaded.
+    """
+    wanted = {k: v for k, v in get_model_state_dict(model).items() if not k.startswith(skip)}
+    if has_tensors(path):
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        shapes = {k.removeprefix("state_dict."): tuple(m.size) for k, m in stored.items() if hasattr(m, "size")}
+        full = None
+    elif path.is_file():
+        full = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        shapes = {k: tuple(v.shape) for k, v in full.items() if isinstance(v, torch.Tensor)}
+    else:
+        raise FileNotFoundError(f"no checkpoint at {str(path)!r} (a Lightning .ckpt file or a sharded folder)")
+    missing = sorted(k for k in wanted if k not in shapes)
+    differ = sorted(k for k in wanted if k in shapes and shapes[k] != tuple(wanted[k].shape))
+    if missing or differ:
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit this model: {len(missing)} missing keys {missing[:4]}, "
+            f"{len(differ)} of other shapes {[(k, shapes[k], tuple(wanted[k].shape)) for k in differ[:4]]}; build the "
+            f"model with the checkpoint's architecture (skipped: {list(skip)})"
+        )
+    if full is None:
+        loaded = {"state_dict": {k: v.detach().clone() for k, v in wanted.items()}}
+        dcp.load(loaded, checkpoint_id=path)
+        state = loaded["state_dict"]
+    else:
+        state = {k: full[k] for k in wanted}
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    return sorted(state)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -1,0 +1,317 @@
+"""Gradient synchronization under pipeline × data parallelism must match one model trained on the whole batch."""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gpipe.pipe.grads import BucketedAllReduce, clip_grad_norm_, global_grad_norm, sum_over_pipeline
+from tests.helpers.launch import run_distributed
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def exact(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def params_like(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in specs]
+
+
+def random_grads(specs: list[tuple[tuple[int, ...], torch.dtype]], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype) for shape, dtype in specs]
+
+
+def mean_of(per_rank: list[torch.Tensor]) -> torch.Tensor:
+    # Sum in the grad dtype as the all-reduce does, then divide (exact for two ranks).
+    total = per_rank[0].clone()
+    for t in per_rank[1:]:
+        total += t
+    return total / len(per_rank)
+
+
+# ---------------------------------------------------------------- BucketedAllReduce, dp = 2
+
+MIXED = [((3, 4), F32), ((7,), F32), ((2, 3, 5), F32), ((1,), F32), ((16, 16), F32), ((5,), F32)]
+DP_CASES: dict[str, tuple[list, int]] = {
+    "tiny-buckets": (MIXED, 64),
+    "single-bucket": (MIXED, 2**30),
+    "param-larger-than-bucket": ([((4,), F32), ((1000,), F32), ((6,), F32)], 256),
+    "none-grad-on-one-rank": (MIXED, 128),
+    "bf16-and-fp32": ([((8,), BF16), ((3, 3), F32), ((2, 5), BF16), ((11,), F32)], 2**20),
+    "buffers-reused": (MIXED, 200),
+    # As DDP: a grad None on every replica stays None (optimizers then skip the parameter: no momentum, no decay).
+    "none-grad-everywhere": (MIXED, 128),
+    # Frozen at construction, unfrozen later: still averaged once it has gradients.
+    "unfrozen-after-construction": (MIXED, 128),
+}
+
+
+def _dp_case(name: str, rank: int, world_size: int) -> dict:
+    specs, bucket_bytes = DP_CASES[name]
+    params = params_like(specs)
+    if name == "unfrozen-after-construction":
+        params[1].requires_grad_(False)
+    sync = BucketedAllReduce(params, dist.group.WORLD, bucket_bytes=bucket_bytes)
+    params[1].requires_grad_(True)
+    info = {"num_buckets": sync.num_buckets, "sizes": [len(b) for b in sync.buckets]}
+    for step in range(2 if name == "buffers-reused" else 1):
+        per_rank = [random_grads(specs, seed=100 * step + r) for r in range(world_size)]
+        if name == "none-grad-on-one-rank":
+            per_rank[1][2] = torch.zeros_like(per_rank[1][2])
+        for i, p in enumerate(params):
+            # A transposed (non-contiguous) grad must pack and unpack in place.
+            p.grad = per_rank[rank][i].t().contiguous().t() if p.dim() == 2 else per_rank[rank][i].clone()
+        if name == "none-grad-on-one-rank" and rank == 1:
+            params[2].grad = None
+        if name == "none-grad-everywhere":
+            params[2].grad = params[4].grad = None
+        grads_before = [p.grad for p in params]
+        sync()
+        for i, p in enumerate(params):
+            if name == "none-grad-everywhere" and i in (2, 4):
+                assert p.grad is None, i
+                continue
+            exact(p.grad, mean_of([grads[i] for grads in per_rank]))
+            if grads_before[i] is not None:
+                assert p.grad is grads_before[i], "grads are updated in place"
+        if name == "buffers-reused":
+            pointers = [b.data_ptr() for b in sync.buffers]
+            info.setdefault("pointers", []).append(pointers)
+    return info
+
+
+def _dp_all(rank: int, world_size: int) -> dict[str, dict | str]:
+    results: dict[str, dict | str] = {}
+    for name in DP_CASES:
+        try:
+            results[name] = _dp_case(name, rank, world_size)
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def dp_results() -> list[dict[str, dict | str]]:
+    return run_distributed(_dp_all, 2, timeout=60)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("name", list(DP_CASES))
+def test_bucketed_all_reduce_is_the_mean(dp_results: list[dict], name: str) -> None:
+    for rank, results in enumerate(dp_results):
+        assert not isinstance(results[name], str), f"rank {rank}:\n{results[name]}"
+    info = dp_results[0][name]
+    if name == "tiny-buckets":
+        assert info["num_buckets"] >= 4
+    elif name == "single-bucket":
+        assert info["num_buckets"] == 1
+    elif name == "param-larger-than-bucket":
+        assert info["sizes"] == [1, 1, 1]
+    elif name == "bf16-and-fp32":
+        assert info["sizes"] == [2, 2]
+    elif name == "buffers-reused":
+        first, second = info["pointers"]
+        assert first == second
+
+
+@pytest.mark.timeout(10)
+def test_no_group_is_a_no_op() -> None:
+    params = params_like(MIXED)
+    for p, g in zip(params, random_grads(MIXED, seed=0)):
+        p.grad = g.clone()
+    params[0].grad = None
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    BucketedAllReduce(params, None)()
+    sum_over_pipeline(params, None)
+    assert params[0].grad is None
+    for p, b in zip(params[1:], before[1:]):
+        assert torch.equal(p.grad, b)
+
+
+# ---------------------------------------------------------------- sum_over_pipeline
+
+REPLICATED = [((5, 3), F32), ((4,), F32), ((2, 2), BF16), ((6,), F32)]
+
+
+def _replicated_grads(rank: int, world_size: int) -> list[torch.Tensor | None]:
+    """Param 0 is used by the first stage only, 1 by the last only, 2 by every stage, 3 by none."""
+    grads: list[torch.Tensor | None] = list(random_grads(REPLICATED, seed=rank))
+    if rank != 0:
+        grads[0] = None
+    if rank != world_size - 1:
+        grads[1] = None
+    grads[3] = None
+    return grads
+
+
+def _sum_check(rank: int, world_size: int) -> bool:
+    params = params_like(REPLICATED)
+    for p, g in zip(params, _replicated_grads(rank, world_size)):
+        p.grad = g
+    sum_over_pipeline(params, dist.group.WORLD)
+    per_rank = [_replicated_grads(r, world_size) for r in range(world_size)]
+    for i, p in enumerate(params):
+        if i == 3:  # None on every stage: stays None
+            assert p.grad is None
+            continue
+        want = sum((grads[i] for grads in per_rank if grads[i] is not None), torch.zeros_like(p))
+        exact(p.grad, want)
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sum_over_pipeline(world_size: int) -> None:
+    assert all(run_distributed(_sum_check, world_size, timeout=45))
+
+
+# ---------------------------------------------------------------- global norm and clipping, pp = 3
+
+STAGES = [[((4, 6), F32), ((6,), F32)], [((6, 6), F32), ((6,), F32), ((3,), F32)], [((6, 2), F32)]]
+EMBED_HEAD = [((10, 4), F32), ((2, 6), F32)]  # the first stage uses the embedding, the last the head
+NORMS = [2.0, 1.0, math.inf]
+
+
+def _stage_grads(stage: int, seed: int) -> list[torch.Tensor | None]:
+    grads: list[torch.Tensor | None] = list(random_grads(STAGES[stage], seed=seed + stage))
+    if stage == 1:
+        grads[2] = None  # an owned parameter this step did not reach
+    return grads
+
+
+def _replica_grads(stage: int, stages: int, seed: int) -> list[torch.Tensor | None]:
+    embed, head = random_grads(EMBED_HEAD, seed=seed + 1000 + stage)
+    return [embed if stage == 0 else None, head if stage == stages - 1 else None]
+
+
+def _reference(grads_of: Callable[[int], tuple[list, list]], stages: int) -> tuple[list[nn.Parameter], list]:
+    """One model holding every stage's owned parameters, then the replicated ones, with their summed grads."""
+    ref = []
+    for s in range(stages):
+        for spec, g in zip(STAGES[s], grads_of(s)[0]):
+            ref.append(nn.Parameter(torch.zeros(spec[0], dtype=spec[1])))
+            ref[-1].grad = None if g is None else g.clone()
+    for i, spec in enumerate(EMBED_HEAD):
+        parts = [grads_of(s)[1][i] for s in range(stages)]
+        ref.append(nn.Parameter(torch.zeros(spec[0], dtype=spec[1])))
+        ref[-1].grad = sum((g for g in parts if g is not None), torch.zeros(spec[0], dtype=spec[1]))
+    return ref, [len(STAGES[s]) for s in range(stages)]
+
+
+def _assign(params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def _norm_check(rank: int, world_size: int) -> list[tuple[float, float]]:
+    stages, group = world_size, dist.group.WORLD
+
+    def grads_of(stage: int) -> tuple[list, list]:
+        return _stage_grads(stage, seed=0), _replica_grads(stage, stages, seed=0)
+
+    owned, replicated = params_like(STAGES[rank]), params_like(EMBED_HEAD)
+    ref, counts = _reference(grads_of, stages)
+    start = sum(counts[:rank])
+    mine = ref[start : start + counts[rank]] + ref[-len(EMBED_HEAD) :]
+    norms = []
+    for p in NORMS:
+        _assign(owned, grads_of(rank)[0])
+        _assign(replicated, grads_of(rank)[1])
+        sum_over_pipeline(replicated, group)
+        norm = global_grad_norm(owned, replicated, p, group, count_replicated=rank == 0)
+        want = torch.nn.utils.get_total_norm([q.grad for q in ref if q.grad is not None], p)
+        assert norm.dtype == torch.float32
+        exact(norm, want)
+        norms.append((p, norm.item()))
+        for max_norm in (want.item() / 3, want.item() * 2):  # clipping and not clipping
+            ref_copy = [nn.Parameter(q.detach().clone()) for q in ref]
+            for q, r in zip(ref_copy, ref):
+                q.grad = None if r.grad is None else r.grad.clone()
+            _assign(owned, grads_of(rank)[0])
+            _assign(replicated, grads_of(rank)[1])
+            sum_over_pipeline(replicated, group)
+            got = clip_grad_norm_(owned, replicated, max_norm, p, group, count_replicated=rank == 0)
+            exact(got, torch.nn.utils.clip_grad_norm_(ref_copy, max_norm, p))
+            mine_ref = ref_copy[start : start + counts[rank]] + ref_copy[-len(EMBED_HEAD) :]
+            assert len(mine) == len(mine_ref)
+            for q, r in zip(owned + replicated, mine_ref):
+                assert (q.grad is None) == (r.grad is None)
+                if q.grad is not None:
+                    exact(q.grad, r.grad)
+    return norms
+
+
+@pytest.mark.timeout(60)
+def test_global_norm_and_clip_match_one_model() -> None:
+    per_rank = run_distributed(_norm_check, 3, timeout=45)
+    assert per_rank[0] == per_rank[1] == per_rank[2], "every stage sees the same norm"
+
+
+@pytest.mark.timeout(10)
+def test_norm_is_float32_for_bf16_grads_and_local_without_group() -> None:
+    params = params_like([((64,), BF16), ((3, 3), BF16)])
+    for p, g in zip(params, random_grads([((64,), F32), ((3, 3), F32)], seed=1)):
+        p.grad = g.to(BF16)
+    upcast = [p.grad.float() for p in params]
+    for p in NORMS:
+        norm = global_grad_norm(params[:1], params[1:], p, None, count_replicated=True)
+        assert norm.dtype == torch.float32
+        exact(norm, torch.nn.utils.get_total_norm(upcast, p))
+        only_owned = global_grad_norm(params[:1], params[1:], p, None, count_replicated=False)
+        exact(only_owned, torch.nn.utils.get_total_norm(upcast[:1], p))
+    with pytest.raises(ValueError, match="norm_type"):
+        global_grad_norm(params, [], 0.0, None, count_replicated=True)
+
+
+# ---------------------------------------------------------------- 2 × 2 mesh: pp {0,1},{2,3}; dp {0,2},{1,3}
+
+
+def _mesh_check(rank: int, world_size: int) -> bool:
+    # Every rank creates every group, in the same order.
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, stage = divmod(rank, 2)
+    stages, replicas = 2, 2
+
+    def grads_of(s: int, r: int) -> tuple[list, list]:
+        return _stage_grads(s, seed=10 * r), _replica_grads(s, stages, seed=10 * r)
+
+    owned, replicated = params_like(STAGES[stage]), params_like(EMBED_HEAD)
+    _assign(owned, grads_of(stage, replica)[0])
+    _assign(replicated, grads_of(stage, replica)[1])
+    sum_over_pipeline(replicated, pp_groups[replica])
+    BucketedAllReduce(owned + replicated, dp_groups[stage], bucket_bytes=96)()
+    norm = clip_grad_norm_(owned, replicated, 1.0, 2.0, pp_groups[replica], count_replicated=stage == 0)
+
+    # The reference: each replica's whole model, averaged over replicas (a None grad averages as zeros where another
+    # replica has one, and stays None where none has: DDP's rule), then clipped.
+    refs = [_reference(lambda s, r=r: grads_of(s, r), stages)[0] for r in range(replicas)]
+    ref = [nn.Parameter(q.detach().clone()) for q in refs[0]]
+    for i, q in enumerate(ref):
+        grads = [m[i].grad for m in refs]
+        if all(g is None for g in grads):
+            continue
+        q.grad = mean_of([g if g is not None else torch.zeros_like(q) for g in grads])
+    exact(norm, torch.nn.utils.clip_grad_norm_(ref, 1.0, 2.0))
+    start = sum(len(STAGES[s]) for s in range(stage))
+    mine = ref[start : start + len(STAGES[stage])] + ref[-len(EMBED_HEAD) :]
+    for q, r in zip(owned + replicated, mine):
+        assert (q.grad is None) == (r.grad is None)
+        if r.grad is not None:
+            exact(q.grad, r.grad)
+    assert stage == 0 or any(q.grad is None for q in owned), "the case of a grad None everywhere is exercised"
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_pipeline_and_data_parallel_mesh() -> None:
+    assert all(run_distributed(_mesh_check, 4, timeout=45))

@@ -1,0 +1,194 @@
+"""Transport between two ranks: self-describing messages whose structure, shapes and dtypes change every time."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import namedtuple
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
+from lightning_gpipe.pipe.transport import HEADER_BYTES, OUTPUT_TAG, TensorMeta, Transport
+from tests.helpers.launch import run_distributed
+
+# Module level: the receiver unpickles it from the header's skeleton.
+Point = namedtuple("Point", ["xy", "label"])
+
+SENDER, RECEIVER = 0, 1
+
+
+def make_transport(timeout_s: float = 30.0) -> Transport:
+    return Transport(dist.group.WORLD, device=torch.device("cpu"), timeout=timedelta(seconds=timeout_s))
+
+
+def messages() -> list[tuple[Any, list[bool] | None, dict]]:
+    """(structure, requires_grad argument, header fields) for each message; both ranks build the same list."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def randint(*shape: int, dtype: torch.dtype, high: int = 100) -> torch.Tensor:
+        return torch.randint(0, high, shape, generator=g).to(dtype)
+
+    grad_leaf = randn(3, 4).requires_grad_()  # sent with the default requires_grad (taken from the tensor)
+    return [
+        (randn(4, 3), None, {}),
+        (randn(2, 5, dtype=torch.float64), [True], {"m": 0, "M": 4}),
+        (grad_leaf, None, {"m": 1}),
+        ((randn(6, dtype=torch.bfloat16), randn(1, 2, 3, dtype=torch.float16)), [True, False], {"name": "halves"}),
+        ([randint(5, dtype=torch.int64), randint(2, 2, dtype=torch.int32)], None, {}),
+        ({"bytes": randint(7, dtype=torch.uint8, high=256), "mask": randint(3, dtype=torch.bool, high=2)}, None, {}),
+        (torch.tensor(3.5), [True], {}),  # 0-dim
+        ((torch.empty(0, 3), torch.empty(2, 0, dtype=torch.int64), randn(2)), [True, False, False], {}),
+        (randn(4, 6).t(), [False], {}),  # non-contiguous
+        (
+            {
+                "h": randn(3, 2),
+                "ids": randint(3, 4, dtype=torch.int64),
+                "points": [Point(randn(3, 2, dtype=torch.float64), "a"), Point(randint(3, dtype=torch.int32), "b")],
+                "meta": ("nmt", 7, None, 2.5),
+                "nothing": None,
+            },
+            [True, False, True, False],
+            {"m": 3, "M": 4, "extra": ("x", 1)},
+        ),
+        # Far larger than one header: takes the overflow path.
+        ({f"key_{i:03d}": (i, f"value {i}") for i in range(500)} | {"t": randn(2, 2)}, None, {"big": True}),
+        ("just a string", None, {}),
+    ]
+
+
+def expected_requires_grad(obj: Any, requires_grad: list[bool] | None) -> list[bool]:
+    tensors = [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+    return [t.requires_grad for t in tensors] if requires_grad is None else requires_grad
+
+
+def assert_same(got: Any, sent: Any) -> None:
+    got_leaves, got_spec = tree_flatten(got)
+    sent_leaves, sent_spec = tree_flatten(sent)
+    assert got_spec == sent_spec, f"structure changed: {got_spec} != {sent_spec}"
+    for a, b in zip(got_leaves, sent_leaves):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, (a, b)
+            assert torch.equal(a, b.detach()), (a, b)
+        else:
+            assert type(a) is type(b) and a == b, (a, b)
+
+
+def roundtrip_worker(rank: int, world_size: int) -> int:
+    tr = make_transport()
+    msgs = messages()
+    if rank == SENDER:
+        for obj, requires_grad, fields in msgs:
+            tr.send(RECEIVER, obj, requires_grad=requires_grad, **fields)
+        # The pipeline's output broadcast travels on its own tag, interleaved with stage-to-stage traffic.
+        tr.send(RECEIVER, {"out": torch.ones(2)}, tag=OUTPUT_TAG)
+        tr.wait_sends()
+        return len(msgs)
+    # Receive the OUTPUT_TAG message first although it was sent last: tags keep the two streams apart.
+    out, _ = tr.recv(SENDER, "output", tag=OUTPUT_TAG)
+    assert torch.equal(out["out"], torch.ones(2))
+    for i, (sent, requires_grad, fields) in enumerate(msgs):
+        got, got_fields = tr.recv(SENDER, f"message {i}")
+        assert_same(got, sent)
+        assert got_fields == fields
+        tensors = [x for x in tree_flatten(got)[0] if isinstance(x, torch.Tensor)]
+        assert [t.requires_grad for t in tensors] == expected_requires_grad(sent, requires_grad), i
+        for t in tensors:
+            assert t.is_leaf  # a received tensor starts a fresh graph on this stage
+            if not (t.is_floating_point() or t.is_complex()):
+                assert not t.requires_grad
+    return len(msgs)
+
+
+@pytest.mark.timeout(60)
+def test_roundtrip_changing_structures() -> None:
+    msgs = messages()
+    assert len(pickle.dumps(msgs[-2][0])) > 2 * HEADER_BYTES  # the large one really needs the overflow part
+    n = len(msgs)
+    assert run_distributed(roundtrip_worker, 2, timeout=45) == [n, n]
+
+
+GRADS = [torch.arange(12.0).reshape(4, 3), torch.empty(0, 2, dtype=torch.float64), torch.tensor(2.0)]
+
+
+def grad_metas() -> list[TensorMeta]:
+    return [TensorMeta(t.dtype, tuple(t.shape), False) for t in GRADS]
+
+
+def pre_posted_worker(rank: int, world_size: int) -> str:
+    tr = make_transport()
+    if rank == SENDER:
+        dist.barrier()  # the receiver has posted before anything is sent
+        tr.send(RECEIVER, GRADS, m=5)
+        # Same number of bytes, different dtype: only the header can tell.
+        tr.send(RECEIVER, [torch.zeros(4, 3, dtype=torch.int32)])
+        tr.wait_sends()
+        return "sent"
+    pending = tr.post_recv(SENDER, "gradients", expect=grad_metas())
+    dist.barrier()
+    got, fields = pending.wait()
+    assert fields == {"m": 5}
+    assert_same(got, GRADS)
+    expect = [TensorMeta(torch.float32, (4, 3), False)]
+    with pytest.raises(RuntimeError, match=r"stage 0 sent .* but stage 1 expected"):
+        tr.post_recv(SENDER, "mismatched gradients", expect=expect).wait()
+    return "received"
+
+
+@pytest.mark.timeout(60)
+def test_pre_posted_receive_with_expected_shapes() -> None:
+    assert run_distributed(pre_posted_worker, 2, timeout=45) == ["sent", "received"]
+
+
+def error_worker(rank: int, world_size: int) -> tuple[str, int, int | None]:
+    tr = make_transport()
+    if rank == SENDER:
+        err = PipelineError.from_exception(ValueError("boom"), stage=0, phase="forward", micro_batch=2)
+        tr.send_error(RECEIVER, err)
+        tr.wait_sends()
+        return ("sent", 0, None)
+    try:
+        tr.recv(SENDER, "micro-batch 2's input")
+    except PipelineError as e:
+        return (str(e), e.stage, e.via)
+    return ("no error", -1, None)
+
+
+@pytest.mark.timeout(60)
+def test_error_header_raises_pipeline_error() -> None:
+    _, (message, stage, via) = run_distributed(error_worker, 2, timeout=45)
+    assert stage == 0 and via == 0
+    assert "stage 0 failed in the forward phase (micro-batch 2): ValueError: boom" in message
+    assert "traceback of stage 0" in message  # the remote traceback is attached for the receiving rank
+
+
+def timeout_worker(rank: int, world_size: int) -> tuple[str, float]:
+    tr = make_transport(timeout_s=2.0)
+    if rank == SENDER:
+        # Stay alive (and send nothing) until the receiver gave up: a dead peer fails differently (connection
+        # closed). No barrier afterwards: gloo closes the pair whose wait timed out, so the group is unusable.
+        time.sleep(tr.timeout.total_seconds() + 3)
+        return ("silent", 0.0)
+    start = time.monotonic()
+    try:
+        tr.recv(SENDER, "micro-batch 0's input")
+        outcome = "received"
+    except PipelineTimeout as e:
+        outcome = str(e)
+    return (outcome, time.monotonic() - start)
+
+
+@pytest.mark.timeout(60)
+def test_recv_without_sender_times_out() -> None:
+    _, (message, elapsed) = run_distributed(timeout_worker, 2, timeout=45)
+    assert "stage 1 waited 2 s for the header of micro-batch 0's input from stage 0" in message
+    assert "probably died, hung, or did not make the same pipeline call" in message
+    assert 1.5 <= elapsed < 10

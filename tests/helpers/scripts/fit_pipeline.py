@@ -1,0 +1,47 @@
+"""Fit a tiny pipelined model; run by tests under torchrun and under Lightning's own launcher."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from tests.helpers.launch import quiet_trainer
+from tests.helpers.tiny_fit import BATCH, dataset, lightning_module, reference
+
+
+def main(out: str, num_nodes: int = 1, devices: int = 2) -> None:
+    from lightning_gpipe import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = lightning_module()
+    # Registered before fit, so it runs after the strategy's own exit handler (atexit runs last-in, first-out).
+    atexit.register(lambda: Path(f"{out}.{trainer.global_rank}.exit").write_text(str(dist.is_initialized())))
+    trainer = quiet_trainer(
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=GPipeStrategy(chunks=3, timeout=timedelta(seconds=60)),
+        max_steps=4,
+    )
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    expected = reference(1, None)
+    err = max(((p - expected[n]).abs().max() / expected[n].abs().max()).item() for n, p in module.named_parameters())
+    result = {
+        "rank": trainer.global_rank,
+        "err": err,
+        "stage": trainer.strategy.stage.index,
+        "environment": type(trainer.strategy.cluster_environment).__name__,
+        "threads": torch.get_num_threads(),
+    }
+    Path(f"{out}.{trainer.global_rank}").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *map(int, sys.argv[2:]))

@@ -1,0 +1,193 @@
+"""GPipeStrategy(balance="time"): layers timed on one micro-batch of example_input_array, one split for all ranks."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_gpipe.pipe.partition import costs_by_time
+from lightning_gpipe.strategy._time_balance import NO_EXAMPLE, backbone_input, time_balance
+from tests.helpers.launch import quiet_trainer, run_distributed
+from tests.helpers.models import Busy
+
+D, N_SAMPLES, BATCH, STEPS, LR = 8, 64, 8, 3, 0.1  # 3 steps within the first epoch at dp 2
+
+
+class SlowElsewhere(nn.Module):
+    """Identity, but slow on every rank except 0: a rank that timed the layers itself would split differently."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            time.sleep(0.02)
+        return x
+
+
+class Net(nn.Module):
+    """The Busy layer (about 100 Linears' worth) is second: as rank 0 times them, the exact split at K=2 is [2, 4]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.prefix = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Dropout(0.5))
+        self.backbone = nn.Sequential(nn.Linear(D, D), Busy(), *[nn.Linear(D, D) for _ in range(3)], SlowElsewhere())
+        self.backbone[1].w.requires_grad_(False)  # its 100th power would blow up under SGD
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(self.prefix(x))
+
+
+class Timed(pl.LightningModule):
+    def __init__(self, example: bool = True) -> None:
+        super().__init__()
+        net = Net()
+        self.prefix, self.backbone = net.prefix, net.backbone
+        self.prefix[2].p = 0.0  # the reference below has no dropout to replay
+        if example:
+            self.example_input_array = torch.randn(BATCH, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(self.prefix(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(N_SAMPLES, D, generator=g), torch.randn(N_SAMPLES, D, generator=g))
+
+
+def reference(dp: int) -> dict[str, torch.Tensor]:
+    net = Net()
+    net.prefix[2].p = 0.0
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    x_all, y_all = dataset().tensors
+    shards = [torch.tensor(list(DistributedSampler(dataset(), num_replicas=dp, rank=d, seed=0))) for d in range(dp)]
+    for step in range(STEPS):
+        opt.zero_grad()
+        for shard in shards:  # BatchNorm: each replica normalizes its own batch, as DDP without sync would
+            idx = shard[step * BATCH : (step + 1) * BATCH]
+            (F.mse_loss(net(x_all[idx]), y_all[idx]) / dp).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in net.named_parameters()}
+
+
+def timed_fit_worker(rank: int, world_size: int) -> dict[str, object]:
+    from lightning_gpipe import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = Timed()
+    strategy = GPipeStrategy(chunks=4, pipeline_parallel_size=2, balance="time")
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS)
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    expected = reference(world_size // 2)
+    err = max(((p - expected[n]).abs().max() / expected[n].abs().max()).item() for n, p in module.named_parameters())
+    return {"balance": strategy.stage.balance, "err": err}
+
+
+@pytest.mark.timeout(200)
+def test_time_balance_splits_alike_on_every_rank_and_trains_exactly() -> None:
+    """pp 2 × dp 2: timings differ per process, but every stage and replica holds the split rank 0 measured."""
+    results = run_distributed(timed_fit_worker, 4, timeout=180, lightning=True)
+    assert [r["balance"] for r in results] == [[2, 4]] * 4, results
+    for r in results:
+        assert r["err"] <= 1e-6, results
+
+
+def bad_example_worker(rank: int, world_size: int, example: torch.Tensor | None) -> str:
+    from lightning_gpipe import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = Timed()
+    module.example_input_array = example
+    trainer = quiet_trainer(devices=world_size, strategy=GPipeStrategy(chunks=2, balance="time"), max_steps=1)
+    try:
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_time_balance_without_an_example_input_fails_on_every_rank() -> None:
+    assert (
+        run_distributed(bad_example_worker, 2, None, timeout=100, lightning=True) == [f"ValueError: {NO_EXAMPLE}"] * 2
+    )
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_forward_on_rank_0_is_raised_on_every_rank() -> None:
+    """Only rank 0 runs the example through forward: the others must not wait for it until the timeout."""
+    errors = run_distributed(bad_example_worker, 2, torch.randn(BATCH, D + 1), timeout=100, lightning=True)
+    assert len(set(errors)) == 1 and "RuntimeError" in errors[0] and "shapes cannot be multiplied" in errors[0], errors
+
+
+def test_the_backbone_input_is_taken_without_changing_state_streams_or_modes() -> None:
+    module = Timed()
+    module.prefix[2].p = 0.5
+    module.prefix[1].eval()  # a mode of its own, which must survive
+    buffers = {k: v.clone() for k, v in module.state_dict().items() if "running" in k or "num_batches" in k}
+    state = torch.get_rng_state()
+    x = backbone_input(module, module.backbone, module.example_input_array)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in buffers.items())
+    assert module.training and module.prefix[2].training and not module.prefix[1].training
+    assert x.shape == (BATCH, D)
+    with torch.no_grad():  # the input the backbone sees in eval mode
+        module.eval()
+        assert torch.equal(x, module.prefix(module.example_input_array))
+
+
+def test_time_balance_isolates_the_costly_layer_and_profiles_one_micro_batch() -> None:
+    module = Timed()
+    seen: list[int] = []
+    module.backbone[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    assert time_balance(module, module.backbone, 2, 4, torch.device("cpu")) == [2, 4]
+    assert set(seen) == {BATCH // 4}
+
+
+def test_forward_that_skips_the_backbone_is_named() -> None:
+    module = Timed()
+    with pytest.raises(ValueError, match=r"Timed.forward\(example_input_array\) never called the backbone"):
+        backbone_input(module, nn.Sequential(nn.Linear(D, D)), module.example_input_array)
+
+
+def test_costs_by_time_on_a_device_puts_every_layer_back() -> None:
+    module = Net()
+    params = {k: v.detach().clone() for k, v in module.backbone.named_parameters()}
+    costs = costs_by_time(module.backbone, torch.randn(2, D), device=torch.device("cpu"), repeat=1)
+    assert len(costs) == 6 and costs[1] > max(costs[2:5])
+    assert all(p.device.type == "cpu" and torch.equal(p, params[k]) for k, p in module.backbone.named_parameters())
+    assert all(p.grad is None for p in module.backbone.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_time_balance_splits_a_time_major_input_along_its_batch_dimension() -> None:
+    """With batch_dim=1 the profiled micro-batch holds N/M samples in dim 1 and the whole time axis in dim 0."""
+
+    class TimeMajor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+            self.example_input_array = torch.randn(3, BATCH, D)  # (T, N, D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
+
+    module = TimeMajor()
+    seen: list[tuple[int, ...]] = []
+    module.backbone[0].register_forward_pre_hook(lambda _, args: seen.append(tuple(args[0].shape)))
+    time_balance(module, module.backbone, 2, 4, torch.device("cpu"), batch_dim=1)
+    assert set(seen) == {(3, BATCH // 4, D)}, seen

@@ -1,0 +1,105 @@
+"""On a CUDA device (skipped without one): the engine and GPipeStrategy on one GPU, under every precision."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from lightning_gpipe.pipe import GPipeStage
+from tests.helpers import models
+from tests.helpers.launch import quiet_trainer
+from tests.helpers.tiny_fit import BATCH, TinyPipelined, dataset
+
+# CI has no GPU; these run where one is lent (the project's GPU sessions run them on an H100).
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32() -> None:
+    # TF32 would round fp32 matmuls and convolutions to 10-bit mantissas: no 1e-6 parity with it.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_engine_on_one_gpu_equals_the_plain_model(checkpoint: str) -> None:
+    torch.manual_seed(0)
+    model = models.mlp().cuda()
+    x, y = torch.randn(10, models.D, device="cuda"), torch.randn(10, models.D, device="cuda")
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
+    stage = GPipeStage(model, chunks=4, checkpoint=checkpoint, device="cuda", timeline=True)
+    F.mse_loss(stage(x), y).backward()
+    stage.backward()
+    for (name, p), q in zip(stage.named_parameters(), plain.parameters()):
+        assert p.grad.device.type == "cuda"
+        assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() <= 1e-6, name
+    kinds = {e.kind for e in stage.timeline.events}
+    assert {"forward", "backward"} <= kinds
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
+def test_strategy_on_one_gpu(precision: str, tmp_path: Path) -> None:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = TinyPipelined()
+    strategy = GPipeStrategy(chunks=3, trace_dir=str(tmp_path), trace_steps=[1])
+    trainer = quiet_trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=3, precision=precision)
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    assert all(p.device.type == "cuda" for p in module.parameters())
+    assert (tmp_path / "step_1.png").exists() and (tmp_path / "step_1.json").exists()
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_examples_run_on_one_gpu(precision: str, tmp_path: Path) -> None:
+    """Both example tasks, a few steps each on generated data, pipelined on one GPU (issue: bf16/16-mixed)."""
+    from examples.amoebanet.classifier import ImageClassifier
+    from examples.amoebanet.data import ImageClassificationData
+    from examples.nmt.data.translation import TranslationData
+    from examples.nmt.translator import Translator
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    images = ImageClassificationData(
+        source="generated", image_size=32, num_classes=10, train_size=64, val_size=32, batch_size=16, num_workers=0
+    )
+    classifier = ImageClassifier(num_classes=10, num_layers=3, num_filters=16)
+    text = TranslationData(
+        source="generated",
+        train_size=256,
+        val_size=16,
+        batch_size=16,
+        vocab_size=300,
+        num_workers=0,
+        cache_dir=str(tmp_path / "vocab"),
+    )
+    translator = Translator(
+        vocab_size=text.vocab_size,
+        max_len=text.max_len,
+        num_layers=1,
+        ffn_dim=64,
+        num_heads=2,
+        d_model=32,
+        warmup_steps=2,
+    )
+    for module, data in ((classifier, images), (translator, text)):
+        trainer = quiet_trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy=GPipeStrategy(chunks=4),
+            precision=precision,
+            max_steps=3,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            val_check_interval=3,
+        )
+        trainer.fit(module, datamodule=data)
+        assert torch.isfinite(trainer.callback_metrics["train_loss"]), type(module).__name__
