@@ -1,0 +1,41 @@
+"""GPipeStrategy's own arguments: each bad value fails at construction, in this process, with one clear error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lightning_gpipe import GPipeStrategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"chunks": 0}, "chunks, M, must be an int ≥ 1"),
+        ({"chunks": 2.0}, "chunks, M, must be an int ≥ 1"),
+        ({"chunks": True}, "chunks, M, must be an int ≥ 1"),
+        ({"pipeline_parallel_size": 0}, "give an int ≥ 1 or 'auto'"),
+        ({"pipeline_parallel_size": "all"}, "give an int ≥ 1 or 'auto'"),
+        ({"checkpoint": "sometimes"}, "choose one of ['always', 'except_last', 'never']"),
+        ({"output": "loss"}, "choose 'all' or 'placeholder'"),
+        ({"batch_dim": -1}, "the dimension that holds the samples"),
+        ({"batch_dim": False}, "the dimension that holds the samples"),
+        ({"trace_steps": [-1]}, "give one or more optimizer-step indices ≥ 0"),
+        ({"trace_steps": []}, "give one or more optimizer-step indices ≥ 0"),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else None,
+)
+def test_bad_argument_is_named_with_its_fix(kwargs: dict[str, Any], expected: str) -> None:
+    (name, value), *_ = kwargs.items()
+    with pytest.raises(ValueError, match="GPipeStrategy") as raised:
+        GPipeStrategy(**kwargs)
+    message = str(raised.value)
+    assert f"{name}={value!r}" in message, message
+    assert expected in message, message
+
+
+def test_good_arguments_are_kept() -> None:
+    strategy = GPipeStrategy(chunks=4, pipeline_parallel_size=2, checkpoint="never", output="placeholder", batch_dim=1)
+    assert (strategy.chunks, strategy.checkpoint, strategy.output, strategy.batch_dim) == (4, "never", "placeholder", 1)
+    assert GPipeStrategy.strategy_name == "gpipe"
