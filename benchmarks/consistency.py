@@ -1,8 +1,8 @@
 """GPipe §4.3.1 consistency: the same seed at K = 1, 2, 4 pipeline stages gives the same fp32 training-loss curve."""
 
-# Run from the repo root: python benchmarks/consistency.py [--steps 60] [--ks 1 2 4] [--smoke] [--out-dir DIR]
+# Run from the repo root: python -m benchmarks.consistency [--steps 60] [--ks 1 2 4] [--smoke] [--out-dir DIR]
 # Each K is one real Lightning launch: Trainer(strategy=GPipeStrategy(chunks=M, pipeline_parallel_size=K),
-# accelerator="cpu", devices=K) re-runs this script for ranks 1..K-1 (Lightning's own launcher, gloo).
+# accelerator="cpu", devices=K) re-runs this module for ranks 1..K-1 (Lightning's own launcher, gloo).
 
 from __future__ import annotations
 
@@ -23,9 +23,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from report import environment, environment_lines, markdown_table, pyplot, write
+from benchmarks.report import command_line, environment, environment_lines, markdown_table, pyplot, write
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
@@ -139,17 +137,19 @@ def worker(job_path: str) -> None:
 
 
 def launch(k: int, runs: list[dict], steps: int, work: Path, cache: str, timeout: float) -> dict[str, dict]:
-    """``python consistency.py --worker job.json`` with devices=K; returns rank 0's curve per run."""
+    """``python -m benchmarks.consistency --worker job.json`` with devices=K; returns rank 0's curve per run."""
     job = {"k": k, "steps": steps, "runs": runs, "dir": str(work), "cache": cache}
     job_path = work / f"job_K{k}.json"
     job_path.write_text(json.dumps(job))
     env = {key: v for key, v in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK")}
-    env |= {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    # The repo root on the path: the worker, and the ranks Lightning starts as `python -m benchmarks.consistency`.
+    path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     log_path = work / f"K{k}.log"
     with log_path.open("w") as log:
         # A new session: on a timeout the whole group (this launch and the ranks Lightning started) is killed.
         proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path)],
+            [sys.executable, "-m", "benchmarks.consistency", "--worker", str(job_path)],
             env=env,
             cwd=REPO,
             stdout=log,
@@ -334,7 +334,7 @@ def main() -> int:
                 }
             )
     env = environment(threads_per_process=1, processes="K per launch (Lightning's launcher, gloo), one launch per K")
-    command = " ".join(["python benchmarks/consistency.py", *sys.argv[1:]])
+    command = command_line("consistency")
     data = {
         "command": command,
         "seconds": total,

@@ -1,6 +1,6 @@
 """Time the GPipe engine on 8 Transformer encoder layers at K=1 and K=2, against torch.distributed.pipelining."""
 
-# What it runs and how it times: benchmarks/README.md. Run it from the repo root: python benchmarks/engine_speed.py
+# What it runs and how it times: benchmarks/README.md. Run it from the repo root: python -m benchmarks.engine_speed
 
 from __future__ import annotations
 
@@ -9,23 +9,15 @@ import copy
 import json
 import os
 import statistics
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-# Importable as ``python benchmarks/engine_speed.py`` from a checkout without installing the package; machine and
-# pipe_trace come from this script's own folder, which Python puts first on sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from machine import (
-    Runner,
+from benchmarks.machine import (
     Timing,
     add_timing_args,
     background_load,
@@ -38,104 +30,32 @@ from machine import (
     probe,
     stats,
     wait_quiet,
+    zeroed,
 )
-from pipe_trace import stage_lines, trace_step
-
+from benchmarks.pipe_trace import stage_lines, trace_step
+from benchmarks.report import RESULTS, command_line
+from benchmarks.workloads import (
+    BATCH,
+    D_MODEL,
+    FFN,
+    HEADS,
+    LAYERS,
+    SEQ,
+    build_encoder,
+    build_torch,
+    encoder_batch,
+    grads,
+    ours_step,
+    plain_step,
+    torch_step,
+)
 from lightning_gpipe.pipe import GPipeStage
-
-LAYERS, D_MODEL, HEADS, FFN = 8, 256, 8, 1024
-BATCH, SEQ = 64, 32
-SEED = 0
-
-
-# ------------------------------------------------------------------------------------------------ model and data
-def build_model() -> nn.Sequential:
-    torch.manual_seed(SEED)
-    return nn.Sequential(
-        *[
-            nn.TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FFN, dropout=0.0, batch_first=True)
-            for _ in range(LAYERS)
-        ]
-    )
-
-
-def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(SEED + 1)
-    return torch.randn(BATCH, SEQ, D_MODEL, generator=g), torch.randn(BATCH, SEQ, D_MODEL, generator=g)
-
-
-class CheckpointedStage(nn.Module):
-    """torch's stage module: its layers re-materialized in the backward pass by torch.utils.checkpoint.
-
-    ``stage`` checkpoints the layers as one call, so a stage keeps only its input per micro-batch, as ours does for a
-    checkpointed micro-batch; ``layer`` checkpoints each layer (more saved inputs, same compute).
-    """
-
-    def __init__(self, layers: list[nn.Module], mode: str) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*layers)
-        self.mode = mode
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        if self.mode == "stage":
-            return checkpoint(self.layers, x, use_reentrant=False)
-        for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False)
-        return x
-
-
-def build_torch(model: nn.Sequential, rank: int, M: int, group: Any, mode: str) -> tuple[Any, nn.Module]:
-    from torch.distributed.pipelining import PipelineStage as TorchStage
-    from torch.distributed.pipelining import ScheduleGPipe
-
-    half = LAYERS // 2
-    module = CheckpointedStage(list(copy.deepcopy(model))[rank * half : (rank + 1) * half], mode)
-    stage = TorchStage(module, rank, 2, torch.device("cpu"), group=group)
-    return ScheduleGPipe(stage, n_microbatches=M, loss_fn=F.mse_loss), module
-
-
-def grads(module: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
-
-
-# ---------------------------------------------------------------------------- one step: forward + loss + backward
-def ours_step(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor) -> float | None:
-    out = stage(x if stage.is_first else None)
-    loss = None
-    if stage.is_last:
-        loss = F.mse_loss(out, y)
-        loss.backward()
-    stage.backward()
-    return None if loss is None else loss.item()
-
-
-def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    return loss.item()
-
-
-def torch_step(schedule: Any, is_last: bool, x: torch.Tensor, y: torch.Tensor) -> float | None:
-    if is_last:
-        losses: list[torch.Tensor] = []
-        schedule.step(target=y, losses=losses, return_outputs=False)
-        # Per-micro-batch MSE means over equal micro-batches: their mean is the full-batch MSE.
-        return torch.stack([loss.detach() for loss in losses]).mean().item()
-    schedule.step(x, return_outputs=False)
-    return None
 
 
 # ------------------------------------------------------------------------------------------------------ workers
-def zeroed(module: nn.Module, step: Callable[[], Any]) -> Runner:
-    """``step``, timed with ``module``'s gradients zeroed before it."""
-    return Runner(lambda: module.zero_grad(set_to_none=True), step)
-
-
 def run_job(rank: int, world: int, job: dict) -> dict:
     """A worker's whole job: every M at its world size, in turn (at K=1, after the plain reference)."""
-    model, (x, y) = build_model(), make_batch()
+    model, (x, y) = build_encoder(), encoder_batch()
     # Each K=2 pipeline talks on its own process group, so their messages can never meet.
     groups = (dist.new_group([0, 1]), dist.new_group([0, 1])) if world == 2 else ()
     gathered: list[Any] = [None] * world
@@ -201,7 +121,7 @@ def parse_args() -> tuple[argparse.Namespace, Timing]:
         help="torch.utils.checkpoint around each stage's 4 layers as one call (stage) or around each layer",
     )
     parser.add_argument("--rounds", type=int, default=1, help="repeat the K=2 job and the K=1 job this many times")
-    parser.add_argument("--out", default="benchmarks/results/engine_speed.json")
+    parser.add_argument("--out", default=str(RESULTS / "engine_speed.json"))
     parser.add_argument("--trace", action="store_true", help="also write a Chrome trace of one K=2 step of ours")
     parser.add_argument("--trace-m", type=int, default=8, help="the M of the traced step")
     args = parser.parse_args()
@@ -363,7 +283,7 @@ def main() -> None:
     print(f"# total {total:.0f} s")
 
     result = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line("engine_speed"),
         "machine": info,
         "engine_commit_after": commit_after,
         "machine_check": {**probes, **background},

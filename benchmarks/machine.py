@@ -44,6 +44,7 @@ __all__ = [
     "stats",
     "timed",
     "wait_quiet",
+    "zeroed",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -258,6 +259,11 @@ def add_timing_args(parser: argparse.ArgumentParser) -> None:
 class Runner(NamedTuple):
     reset: Callable[[], Any]  # runs before each step, untimed (e.g. zeroing the gradients)
     step: Callable[[], Any]  # the timed step; what it returns on the last rank at step 0 is kept
+
+
+def zeroed(module: torch.nn.Module, step: Callable[[], Any]) -> Runner:
+    """``step``, timed with ``module``'s gradients zeroed before it."""
+    return Runner(lambda: module.zero_grad(set_to_none=True), step)
 
 
 class Measured(NamedTuple):

@@ -7,13 +7,10 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shlex
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,14 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import report
-from machine import launch
-from memory_probe import MALLOC_ENV, Meter, counting_saved, state_bytes, storages  # the meters
-from memory_search import largest  # the size search
-
+from benchmarks import report
+from benchmarks.machine import launch
+from benchmarks.memory_probe import MALLOC_ENV, Meter, counting_saved, state_bytes, storages  # the meters
+from benchmarks.memory_search import largest  # the size search
 from lightning_gpipe.models import amoebanet_d, transformer_nmt
 from lightning_gpipe.pipe import GPipeStage
 
@@ -356,7 +349,7 @@ def main() -> None:
         )
     elapsed = time.perf_counter() - t0
     notes.append(f"Duration: {elapsed:.0f} s.")
-    command = "python benchmarks/memory.py " + shlex.join(sys.argv[1:])
+    command = report.command_line("memory")
     md = markdown(results, env, command, budget_mb, args, notes)
     data = {"environment": env, "command": command, "budget_mb": budget_mb, "chunks": args.chunks}
     data |= {"device": args.device, "malloc_env": MALLOC_ENV, "notes": notes, "elapsed_s": elapsed}

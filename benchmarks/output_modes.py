@@ -1,13 +1,12 @@
 """Cost of giving every stage the pipeline's output (output="all") vs zeros of its shape ("placeholder"), at K=2."""
 
 # A large-vocabulary head: the output is N × T × V logits, which "all" sends from the last stage to every other one.
-# Run from the repo root: python benchmarks/output_modes.py [--vocab 32000]
+# Run from the repo root: python -m benchmarks.output_modes [--vocab 32000]
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from machine import Runner, Timing, add_timing_args, launch, machine_info, measure, stats
-
+from benchmarks.machine import Runner, Timing, add_timing_args, launch, machine_info, measure, stats
+from benchmarks.report import RESULTS
 from lightning_gpipe.pipe import GPipeStage
 
 D_MODEL, LAYERS, BATCH, SEQ, M = 256, 6, 16, 32, 4
@@ -64,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_timing_args(parser)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--out", default="benchmarks/results/output_modes.json")
+    parser.add_argument("--out", default=str(RESULTS / "output_modes.json"))
     args = parser.parse_args()
     timing = Timing.from_args(parser, args)
     info = machine_info()

@@ -1,20 +1,19 @@
 """GPipe paper Table 4 from the timeline: where a pipelined step's time goes, as shares, for K = 2 and K = 4."""
 
-# What it runs: throughput.py's small AmoebaNet-D and Transformer, pipelined by GPipeStage over K processes (gloo
-# on 127.0.0.1, 1 thread each, checkpoint="except_last", time-profiled balance), a training step = forward + loss +
-# backward + RMSProp update, with the stage's timeline on. Each step is traced on every stage (clocks lined up after
-# a barrier), then broken down by lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble (pipeline time in
-# which a stage computes nothing), load imbalance, transfer (the part of receive waits after the peer sent), the
-# weight update, as shares of the step; medians over the clean traced steps. One Gantt chart per configuration.
-# Writes <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>.png. Run from the repo root:
-#   python benchmarks/overhead.py
+# What it runs: throughput.py's small AmoebaNet-D and Transformer (workloads.py), pipelined by GPipeStage over K
+# processes (gloo on 127.0.0.1, 1 thread each, checkpoint="except_last", time-profiled balance), a training step =
+# forward + loss + backward + RMSProp update, with the stage's timeline on. Each step is traced on every stage (clocks
+# lined up after a barrier), then broken down by lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble
+# (pipeline time in which a stage computes nothing), load imbalance, transfer (the part of receive waits after the
+# peer sent), the weight update, as shares of the step; medians over the clean traced steps. One Gantt chart per
+# configuration. Writes <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>.png. Run from the repo root:
+#   python -m benchmarks.overhead
 
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import report
-from machine import launch, pause_until_quiet, timed, wait_quiet
-from throughput import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch
-
+from benchmarks import report
+from benchmarks.machine import launch, pause_until_quiet, timed, wait_quiet
+from benchmarks.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch
 from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
 from lightning_gpipe.pipe.gantt import plot_timeline
 from lightning_gpipe.pipe.trace import Event
@@ -195,7 +191,7 @@ def main() -> None:
             )
             print(f"# {name} K={K}: {rows[-1]}", flush=True)
     total = time.perf_counter() - t_start
-    command = " ".join(["python", *sys.argv])
+    command = report.command_line("overhead")
     md = ["# Where the time goes (GPipe Table 4), from the timeline", "", *report.environment_lines(env)]
     md += [
         f"- Command: `{command}`; total {total:.0f} s",

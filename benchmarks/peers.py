@@ -1,6 +1,6 @@
 """Ours vs torch.distributed.pipelining ScheduleGPipe vs one plain process, at fixed and variable sequence lengths."""
 
-# Run it from the repo root: python benchmarks/peers.py (--smoke: a small model, about half a minute).
+# Run it from the repo root: python -m benchmarks.peers (--smoke: a small model, about half a minute).
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import argparse
 import copy
 import os
 import re
-import sys
 import textwrap
 import time
 from typing import Any
 
-import engine_speed as es  # puts the repo root on sys.path, so lightning_gpipe imports from this checkout
-import report
 import torch.distributed as dist
-from machine import (
+from torch import nn
+
+from benchmarks import report
+from benchmarks import workloads as wl
+from benchmarks.machine import (
     Timing,
     add_timing_args,
     background_load,
@@ -27,22 +28,20 @@ from machine import (
     probe,
     stats,
     wait_quiet,
+    zeroed,
 )
-from peers_variable import (  # variable lengths, and the probes of torch's schedule built once
+from benchmarks.peers_variable import (  # variable lengths, and the probes of torch's schedule built once
     REL_TOL,
     VAR_SYSTEMS,
     collect_probes,
-    configure,
     start_probes,
     variable_lengths,
     variable_summary,
 )
-from torch import nn
-
 from lightning_gpipe.pipe import GPipeStage
 
-# engine_speed's model and batch sizes (its module globals), and a small one for --smoke.
-FULL = {k: getattr(es, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH", "SEQ")}
+# The encoder stack's sizes (workloads' module globals, engine_speed.py's), and a small one for --smoke.
+FULL = {k: getattr(wl, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH", "SEQ")}
 SMOKE = {"LAYERS": 4, "D_MODEL": 64, "HEADS": 4, "FFN": 256, "BATCH": 16, "SEQ": 16}
 LENGTHS, SMOKE_LENGTHS = [16, 32, 24, 40, 8, 48, 32, 16, 56, 24], [8, 16, 4, 12]
 SYSTEMS = ("ours except_last", "ours always", "torch GPipe", "plain")
@@ -70,14 +69,14 @@ STEP_COLS += "; loss|plain loss|.6f; diff|ours rel. diff|.1e"
 
 # ------------------------------------------------------------------------------------ the main job (2 processes)
 def run_job(rank: int, world: int, job: dict) -> dict:
-    configure(job["shape"])
-    model, (x, y) = es.build_model(), es.make_batch()
-    last, half = rank == 1, es.LAYERS // 2
+    wl.configure(job["shape"])
+    model, (x, y) = wl.build_encoder(), wl.encoder_batch()
+    last, half = rank == 1, wl.LAYERS // 2
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, probe())
     # Reference gradients of this rank's layers: the whole model on the whole batch, computed once.
     ref = copy.deepcopy(model)
-    es.plain_step(ref, x, y)
+    wl.plain_step(ref, x, y)
     ref_grads = [p.grad for p in nn.Sequential(*list(ref)[rank * half : (rank + 1) * half]).parameters()]
     plain = copy.deepcopy(model)  # runs on the last rank only; rank 0 waits in the step's closing barrier
     out: dict[str, Any] = {"probe_gflops": gathered, "fixed": {}}
@@ -87,19 +86,19 @@ def run_job(rank: int, world: int, job: dict) -> dict:
             mode: GPipeStage(copy.deepcopy(model), chunks=M, balance=[half, half], checkpoint=mode, group=g)
             for mode, g in zip(("except_last", "always"), groups)
         }
-        schedule, tmod = es.build_torch(model, rank, M, groups[2], "stage")
+        schedule, tmod = wl.build_torch(model, rank, M, groups[2], "stage")
         modules = {"ours except_last": ours["except_last"], "ours always": ours["always"], "torch GPipe": tmod}
         runners = {
-            "ours except_last": es.zeroed(ours["except_last"], lambda s=ours["except_last"]: es.ours_step(s, x, y)),
-            "ours always": es.zeroed(ours["always"], lambda s=ours["always"]: es.ours_step(s, x, y)),
-            "torch GPipe": es.zeroed(tmod, lambda s=schedule: es.torch_step(s, last, x, y)),
-            "plain": es.zeroed(plain, lambda: es.plain_step(plain, x, y) if last else None),
+            "ours except_last": zeroed(ours["except_last"], lambda s=ours["except_last"]: wl.ours_step(s, x, y)),
+            "ours always": zeroed(ours["always"], lambda s=ours["always"]: wl.ours_step(s, x, y)),
+            "torch GPipe": zeroed(tmod, lambda s=schedule: wl.torch_step(s, last, x, y)),
+            "plain": zeroed(plain, lambda: wl.plain_step(plain, x, y) if last else None),
         }
         grad_diff: dict[str, float] = {}
 
         def compare(modules: dict = modules, grad_diff: dict = grad_diff) -> None:
             for name, mod in modules.items():
-                d = max((g - r).abs().max().item() for g, r in zip(es.grads(mod), ref_grads))
+                d = max((g - r).abs().max().item() for g, r in zip(wl.grads(mod), ref_grads))
                 grad_diff[name] = max_over_ranks(d)
 
         m = measure(runners, job["timing"], after_first=compare)
@@ -131,7 +130,7 @@ def tabulate(raw: dict, micro_batches: list[int]) -> tuple[list[dict], list[dict
     rows, ratios = [], []
     for M in micro_batches:
         entry = raw["fixed"][str(M)]
-        st = {name: stats(entry["records"][name], es.BATCH) for name in SYSTEMS}
+        st = {name: stats(entry["records"][name], wl.BATCH) for name in SYSTEMS}
         med = {name: st[name]["median_ms"] for name in SYSTEMS}
         for name in SYSTEMS:
             clean, grad = f"{st[name]['clean_steps']}/{st[name]['timed_steps']}", entry["grad_diff"]
@@ -150,7 +149,7 @@ def figure(rows: list[dict], micro_batches: list[int], var_rows: list[dict], pro
         ys = [next(r["samples_per_s"] for r in rows if r["system"] == name and r["M"] == M) for M in micro_batches]
         a.bar([i + (j - 1.5) * w for i in range(len(micro_batches))], ys, w, label=name)
     a.set_xticks(range(len(micro_batches)), [f"M={M}" for M in micro_batches])
-    a.set(ylabel="samples/s (median step)", title=f"fixed shape, K=2, {es.LAYERS} layers, batch {es.BATCH}×{es.SEQ}")
+    a.set(ylabel="samples/s (median step)", title=f"fixed shape, K=2, {wl.LAYERS} layers, batch {wl.BATCH}×{wl.SEQ}")
     a.legend(fontsize=8)
     names = [r["system"].replace(" ", "\n", 2) for r in var_rows] + ["torch GPipe\nbuilt once"]
     b.bar(range(len(names)), [r["tokens_per_s"] for r in var_rows] + [0.0], color=["C0", "C3", "C2", "C7"])
@@ -177,14 +176,14 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
         rec.update(loss=s["plain"]["loss"], diff=s["ours except_last"]["rel_diff_vs_plain"])
     sanity = "; ".join(f"M={r['M']} {r['system']} {r['first_loss']:.6f} ({r['grad_diff']:.1e})" for r in rows)
     model = (
-        f"Model: {es.LAYERS} × TransformerEncoderLayer(d={es.D_MODEL}, heads={es.HEADS}, ffn={es.FFN}, dropout 0), "
-        f"MSE loss; K=2 stages of {es.LAYERS // 2} layers. torch's stage runs its layers under one "
+        f"Model: {wl.LAYERS} × TransformerEncoderLayer(d={wl.D_MODEL}, heads={wl.HEADS}, ffn={wl.FFN}, dropout 0), "
+        f"MSE loss; K=2 stages of {wl.LAYERS // 2} layers. torch's stage runs its layers under one "
         "`torch.utils.checkpoint` (every micro-batch recomputed); ours `except_last` keeps the last micro-batch's "
         "graph, `always` recomputes all. `plain` = the whole model on the whole batch in one process (rank 1, while "
         "rank 0 waits), no recomputation. The four alternate step by step in the same two processes; a step = "
         f"forward + loss + backward between barriers; medians of clean steps after {args.warmup} warm-up."
     )
-    var = f"{args.lengths} × {args.var_passes} pass(es), batch {es.BATCH}, M={args.micro_batches[0]}"
+    var = f"{args.lengths} × {args.var_passes} pass(es), batch {wl.BATCH}, M={args.micro_batches[0]}"
     probe_lines = []
     for name, p in probes.items():
         probe_lines.append(f"- **{name}** {p['lengths']}: {p['verdict']}")
@@ -197,7 +196,7 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
         "# Peers: ours vs torch.distributed.pipelining ScheduleGPipe vs plain",
         "\n".join([*report.environment_lines(env), extra]),
         model,
-        f"## Fixed shape (batch {es.BATCH} × {es.SEQ})",
+        f"## Fixed shape (batch {wl.BATCH} × {wl.SEQ})",
         table(rows, FIXED_COLS),
         table(ratios, RATIO_COLS),
         f"First-step loss (max abs. gradient difference from plain's), same weights and batch: {sanity}",
@@ -208,7 +207,7 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
         table(per_step, STEP_COLS),
         "### torch's ScheduleGPipe built once (first length), then fed the next lengths",
         "\n".join(probe_lines),
-        f"Command: `{' '.join(['python', *sys.argv])}`",
+        f"Command: `{report.command_line('peers')}`",
     ]
     return "\n\n".join(blocks)
 
@@ -216,7 +215,7 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
 def main() -> None:
     args, timing = parse_args()
     shape = SMOKE if args.smoke else FULL
-    configure(shape)
+    wl.configure(shape)
     M0, t_start = args.micro_batches[0], time.perf_counter()
     how = "2 workers spawned by the script (gloo, 127.0.0.1), plain on rank 1 while rank 0 waits; 2 processes forked"
     env = report.environment(threads_per_process=1, processes=how + " per probe of torch's schedule built once")
@@ -244,7 +243,7 @@ def main() -> None:
     )
     md = markdown(env, args, raw, (rows, ratios, var_rows), probes, extra)
     print(md)
-    data = dict(command=" ".join(["python", *sys.argv]), environment=env, job={**job, "timing": vars(timing)})
+    data = dict(command=report.command_line("peers"), environment=env, job={**job, "timing": vars(timing)})
     data.update(machine_check={"probe_gflops": gf, **background}, fixed=rows, ratios=ratios, variable=var_rows)
     data.update(variable_steps=raw["variable"], torch_built_once=probes, raw_fixed=raw["fixed"], total_s=total)
     paths = report.write("peers", data, md, figure(rows, args.micro_batches, var_rows, probes), args.out_dir)

@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import engine_speed as es  # puts the repo root on sys.path, so lightning_gpipe imports from this checkout
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from machine import broadcast_from_last, free_port, timed
 from torch import nn
 
+from benchmarks import workloads as wl
+from benchmarks.machine import broadcast_from_last, free_port, timed, zeroed
 from lightning_gpipe.pipe import GPipeStage
 
 # The systems timed at variable lengths (plain: the reference for the losses), and the relative loss difference from
@@ -33,15 +33,9 @@ VAR_SYSTEMS = ("ours except_last", "plain", "torch GPipe rebuilt per step")
 REL_TOL = 1e-5
 
 
-def configure(shape: dict) -> None:
-    """Set engine_speed's model and batch sizes, which its build_model / make_batch / build_torch read."""
-    for k, v in shape.items():
-        setattr(es, k, v)
-
-
 def var_batch(L: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(es.BATCH, L, es.D_MODEL, generator=g), torch.randn(es.BATCH, L, es.D_MODEL, generator=g)
+    return torch.randn(wl.BATCH, L, wl.D_MODEL, generator=g), torch.randn(wl.BATCH, L, wl.D_MODEL, generator=g)
 
 
 def rel(a: float | None, b: float | None) -> float | None:
@@ -55,29 +49,29 @@ def torch_rebuilt_step(module: nn.Module, rank: int, M: int, group: Any, x: torc
     from torch.distributed.pipelining import ScheduleGPipe
 
     stage = TorchStage(module, rank, 2, torch.device("cpu"), group=group)
-    return es.torch_step(ScheduleGPipe(stage, n_microbatches=M, loss_fn=F.mse_loss), rank == 1, x, y)
+    return wl.torch_step(ScheduleGPipe(stage, n_microbatches=M, loss_fn=F.mse_loss), rank == 1, x, y)
 
 
 def variable_lengths(rank: int, model: nn.Sequential, job: dict) -> list[dict]:
     """The same layers, one step per length in turn: ours, plain, and torch's stage + schedule rebuilt every step."""
-    M, last, half = job["var_m"], rank == 1, es.LAYERS // 2
+    M, last, half = job["var_m"], rank == 1, wl.LAYERS // 2
     g_ours, g_torch = dist.new_group([0, 1]), dist.new_group([0, 1])
     ours = GPipeStage(copy.deepcopy(model), chunks=M, balance=[half, half], group=g_ours)
     plain = copy.deepcopy(model)
-    tmod = es.CheckpointedStage(list(copy.deepcopy(model))[rank * half : (rank + 1) * half], "stage")
+    tmod = wl.CheckpointedStage(list(copy.deepcopy(model))[rank * half : (rank + 1) * half], "stage")
     steps: list[dict] = []
     lengths = job["lengths"] * job["var_passes"]
     for i, L in enumerate([job["lengths"][0], *lengths]):  # step 0: untimed warm-up at the first length
         x, y = var_batch(L, i)
         runners = {
-            "ours except_last": es.zeroed(ours, lambda x=x, y=y: es.ours_step(ours, x, y)),
-            "plain": es.zeroed(plain, lambda x=x, y=y: es.plain_step(plain, x, y) if last else None),
-            "torch GPipe rebuilt per step": es.zeroed(
+            "ours except_last": zeroed(ours, lambda x=x, y=y: wl.ours_step(ours, x, y)),
+            "plain": zeroed(plain, lambda x=x, y=y: wl.plain_step(plain, x, y) if last else None),
+            "torch GPipe rebuilt per step": zeroed(
                 tmod, lambda x=x, y=y: torch_rebuilt_step(tmod, rank, M, g_torch, x, y)
             ),
         }
         names = list(runners) if i % 2 == 0 else list(reversed(runners))
-        rec: dict[str, Any] = {"step": i - 1, "L": L, "tokens": es.BATCH * L, "warmup": i == 0}
+        rec: dict[str, Any] = {"step": i - 1, "L": L, "tokens": wl.BATCH * L, "warmup": i == 0}
         for name in names:
             runners[name].reset()
             t, result = timed(runners[name].step)
@@ -101,19 +95,19 @@ def probe_worker(spec: dict) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=spec["pg_timeout"])
     dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=2, timeout=timeout)
-    configure(spec["shape"])
-    model = es.build_model()
-    schedule, module = es.build_torch(model, rank, spec["M"], None, "stage")
+    wl.configure(spec["shape"])
+    model = wl.build_encoder()
+    schedule, module = wl.build_torch(model, rank, spec["M"], None, "stage")
     steps: list[dict] = []
     for i, L in enumerate(spec["lengths"]):
         x, y = var_batch(L, i)
         module.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         try:
-            loss = es.torch_step(schedule, rank == 1, x, y)
+            loss = wl.torch_step(schedule, rank == 1, x, y)
             rec = {"step": i, "L": L, "ms": (time.perf_counter() - t0) * 1e3, "loss": loss}
             if rank == 1:
-                rec["plain_loss"] = es.plain_step(copy.deepcopy(model), x, y)
+                rec["plain_loss"] = wl.plain_step(copy.deepcopy(model), x, y)
                 rec["rel_diff_vs_plain"] = rel(loss, rec["plain_loss"])
         except Exception as e:  # what torch does is the result
             rec = {"step": i, "L": L, "error": f"{type(e).__name__}: {e}".strip()}

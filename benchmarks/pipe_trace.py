@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from machine import Timing, pause_until_quiet, timed
 
+from benchmarks.machine import Timing, pause_until_quiet, timed
 from lightning_gpipe.pipe import GPipeStage, gather_events, write_chrome_trace
 
 COMPUTE = ("forward", "recompute", "backward")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from machine import machine_info
+
+from benchmarks.machine import machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -26,6 +29,11 @@ def environment(threads_per_process: int | None = None, processes: str | None = 
     info["threads_per_process"] = threads_per_process if threads_per_process is not None else torch.get_num_threads()
     info["processes"] = processes
     return info
+
+
+def command_line(name: str) -> str:
+    """How this run was started, as typed from the repo root: ``python -m benchmarks.<name>`` and its arguments."""
+    return shlex.join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]])
 
 
 def environment_lines(env: dict) -> list[str]:

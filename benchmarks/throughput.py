@@ -8,7 +8,7 @@
 # (benchmarks/machine.py). Balance "time": every layer's forward + backward is profiled once, in this process, on a
 # micro-batch of batch/8 samples, and split into K stages by the engine's exact solver. One launch per K runs both
 # models and all M. Rows with K > usable cores are flagged: stages then share cores, so they do not measure a
-# pipeline. Writes <out-dir>/throughput.{json,md,png}. Run from the repo root: python benchmarks/throughput.py
+# pipeline. Writes <out-dir>/throughput.{json,md,png}. Run from the repo root: python -m benchmarks.throughput
 
 from __future__ import annotations
 
@@ -16,21 +16,15 @@ import argparse
 import copy
 import dataclasses
 import os
-import sys
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import report
-from machine import (
+from benchmarks import report
+from benchmarks.machine import (
     Runner,
     Timing,
     add_timing_args,
@@ -42,65 +36,14 @@ from machine import (
     stats,
     wait_quiet,
 )
+from benchmarks.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch
+from lightning_gpipe.pipe import GPipeStage
 
-from lightning_gpipe.models import amoebanet_d, transformer_nmt
-from lightning_gpipe.pipe import GPipeStage, solve
-from lightning_gpipe.pipe.partition import costs_by_time, resolve_balance
-
-SEED, PAD, BOS = 0, 0, 1
-# Global batch 64 (divisible by M = 32); one K=1, M=1 step takes about 0.3–0.7 s on one core.
-SIZES: dict[str, dict[str, Any]] = {
-    "amoebanet": {"num_layers": 9, "num_filters": 48, "num_classes": 10, "side": 32, "batch": 64},
-    "transformer": {"L": 6, "H": 512, "A": 4, "d_model": 128, "vocab": 4000, "seq": 32, "batch": 64},
-}
-SMOKE_SIZES: dict[str, dict[str, Any]] = {
-    "amoebanet": {"num_layers": 3, "num_filters": 8, "num_classes": 10, "side": 32, "batch": 16},
-    "transformer": {"L": 1, "H": 64, "A": 2, "d_model": 32, "vocab": 100, "seq": 8, "batch": 16},
-}
 # GPipe (Huang et al., 2019) Table 2: throughput normalized to K=2, M=1 ({M: {K: value}}).
 PAPER = {
     "amoebanet": {1: {2: 1.0, 4: 1.13, 8: 1.38}, 4: {2: 1.07, 4: 1.26, 8: 1.72}, 32: {2: 1.21, 4: 1.84, 8: 3.48}},
     "transformer": {1: {2: 1.0, 4: 1.07, 8: 1.3}, 4: {2: 1.7, 4: 3.2, 8: 4.8}, 32: {2: 1.8, 4: 3.4, 8: 6.3}},
 }
-
-
-# ------------------------------------------------------------------------------------------------ models and data
-def describe(name: str, s: dict[str, Any]) -> str:
-    if name == "amoebanet":
-        return (
-            f"AmoebaNet-D(L={s['num_layers']}, D={s['num_filters']}), {s['num_classes']} classes, "
-            f"batch {s['batch']}×3×{s['side']}×{s['side']}"
-        )
-    return (
-        f"Transformer T(L={s['L']}, H={s['H']}, A={s['A']}), d_model={s['d_model']}, vocab {s['vocab']}, "
-        f"batch {s['batch']} × {s['seq']} source + {s['seq']} target tokens"
-    )
-
-
-def build(name: str, s: dict[str, Any]) -> nn.Sequential:
-    torch.manual_seed(SEED)
-    if name == "amoebanet":
-        return amoebanet_d(num_classes=s["num_classes"], num_layers=s["num_layers"], num_filters=s["num_filters"])
-    return transformer_nmt(s["L"], s["H"], s["A"], d_model=s["d_model"], vocab_size=s["vocab"], dropout=0.0)
-
-
-def make_batch(name: str, s: dict[str, Any], n: int | None = None) -> tuple[Any, torch.Tensor]:
-    """(input, target) of ``n`` samples (default: the global batch), the same on every rank."""
-    n = n or s["batch"]
-    g = torch.Generator().manual_seed(SEED + 1)
-    if name == "amoebanet":
-        x = torch.randn(n, 3, s["side"], s["side"], generator=g)
-        return x, torch.randint(0, s["num_classes"], (n,), generator=g)
-    src = torch.randint(BOS + 1, s["vocab"], (n, s["seq"]), generator=g)
-    tgt = torch.randint(BOS + 1, s["vocab"], (n, s["seq"] + 1), generator=g)
-    tgt[:, 0] = BOS
-    return (src, tgt[:, :-1]), tgt[:, 1:]
-
-
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if out.dim() == 3:  # the Transformer's logits [N, T, V]
-        return F.cross_entropy(out.flatten(0, 1), target.flatten(), ignore_index=PAD)
-    return F.cross_entropy(out, target)
 
 
 # ---------------------------------------------------------------------------------------------------- workers
@@ -133,27 +76,6 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 "wall_s": time.perf_counter() - t0,
             }
     return out
-
-
-# ------------------------------------------------------------------------------------------------------ balance
-def balances(name: str, s: dict[str, Any], ks: list[int], how: str) -> dict[str, Any]:
-    """Layer counts per K: 'time' profiles every layer once (on batch/8 samples) and solves each K exactly."""
-    model = build(name, s)
-    info: dict[str, Any] = {
-        "model": describe(name, s),
-        "sizes": s,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "layers": list(model._modules),
-        "balance_by": how,
-    }
-    if how == "time":
-        x, _ = make_batch(name, s, max(s["batch"] // 8, 1))
-        costs = costs_by_time(model, x, repeat=5)
-        info["layer_costs_ms"] = [c * 1e3 for c in costs]
-        info["balance"] = {k: solve(costs, k) for k in ks}
-    else:
-        info["balance"] = {k: resolve_balance(model, k, "parameters") for k in ks}
-    return info
 
 
 # ------------------------------------------------------------------------------------------------------- tables
@@ -311,7 +233,7 @@ def main() -> None:
         for r in rows
     }
     total = time.perf_counter() - t_start
-    command = " ".join(["python", *sys.argv])
+    command = report.command_line("throughput")
 
     md = ["# Throughput against K stages and M micro-batches (GPipe Table 2)", "", *report.environment_lines(env)]
     md += [
