@@ -50,6 +50,23 @@ def has_tensors(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
 
 
+def save(
+    checkpoint: dict[str, Any],
+    path: Path,
+    model: nn.Module,
+    optimizers: list,
+    rank: int,
+    sharded: bool,
+    order: list[str] | None,
+) -> None:
+    """A folder (``sharded``) or one file; either raises the same error on every rank when any rank fails, so none
+    is left waiting at a collective. ``order``: the plain module's parameter names in order, if known."""
+    if sharded:
+        save_sharded(checkpoint, path, model, optimizers, rank)
+    else:
+        save_single_file(checkpoint, path, model, optimizers, rank, order)
+
+
 def save_sharded(checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list, rank: int) -> None:
     """A DCP folder: tensors written once (keys replicated on several ranks are de-duplicated), the rest in meta.pt."""
 
@@ -209,6 +226,7 @@ def load_weights(path: Path, model: nn.Module, skip: tuple[str, ...] = ()) -> li
     classifier sized for other classes) keep their new initialization. Returns the keys loaded.
     """
     wanted = {k: v for k, v in get_model_state_dict(model).items() if not k.startswith(skip)}
+    mine = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in wanted.items()}
     if has_tensors(path):
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         shapes = {k.removeprefix("state_dict."): tuple(m.size) for k, m in stored.items() if hasattr(m, "size")}
@@ -219,19 +237,21 @@ def load_weights(path: Path, model: nn.Module, skip: tuple[str, ...] = ()) -> li
     else:
         raise FileNotFoundError(f"no checkpoint at {str(path)!r} (a Lightning .ckpt file or a sharded folder)")
     missing = sorted(k for k in wanted if k not in shapes)
-    differ = sorted(k for k in wanted if k in shapes and shapes[k] != tuple(wanted[k].shape))
+    differ = sorted(k for k in wanted if k in shapes and shapes[k] != mine[k])
     if missing or differ:
         raise ValueError(
             f"checkpoint {str(path)!r} does not fit this model: {len(missing)} missing keys {missing[:4]}, "
-            f"{len(differ)} of other shapes {[(k, shapes[k], tuple(wanted[k].shape)) for k in differ[:4]]}; build the "
+            f"{len(differ)} of other shapes {[(k, shapes[k], mine[k]) for k in differ[:4]]}; build the "
             f"model with the checkpoint's architecture (skipped: {list(skip)})"
         )
+    # Every key left is a tensor here and in the checkpoint: a non-tensor (extra state) was missing or differed.
+    tensors = {k: v for k, v in wanted.items() if isinstance(v, torch.Tensor)}
     if full is None:
-        loaded = {"state_dict": {k: v.detach().clone() for k, v in wanted.items()}}
+        loaded: dict[str, dict[str, Any]] = {"state_dict": {k: v.detach().clone() for k, v in tensors.items()}}
         dcp.load(loaded, checkpoint_id=path)
         state = loaded["state_dict"]
     else:
-        state = {k: full[k] for k in wanted}
+        state = {k: full[k] for k in tensors}  # full: torch.load's Any
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     return sorted(state)
 

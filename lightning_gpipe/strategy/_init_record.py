@@ -73,7 +73,7 @@ def _key(t: Tensor) -> int:
 
 def _meta(t: Tensor) -> _Meta:
     nbytes = t.untyped_storage().nbytes()
-    return _Meta(_key(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, nbytes)
+    return _Meta(_key(t), tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype, nbytes)
 
 
 def _name(func: Callable[..., Any]) -> str:

@@ -140,7 +140,11 @@ def materialize(
             if id(t) not in fresh:
                 empty = torch.empty_like(t, device=device)
                 fresh[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if is_param else empty
-            (module._parameters if is_param else module._buffers)[key] = fresh[id(t)]
+            new = fresh[id(t)]
+            if is_param and isinstance(new, nn.Parameter):
+                module._parameters[key] = new
+            else:
+                module._buffers[key] = new
 
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():

@@ -115,14 +115,14 @@ def local_plain(saved: dict[str, Any], groups: list[list[str]], layouts: list[La
                 )
     number = {name: i for i, name in name_at.items()}
     state, param_groups, mine_i = {}, [], 0
-    for group, names in zip(saved_groups, mine):
-        numbers = list(range(mine_i, mine_i + len(names)))
-        state.update({i: saved["state"][number[n]] for i, (n, _) in zip(numbers, names) if number[n] in saved["state"]})
+    for group, own in zip(saved_groups, mine):
+        numbers = list(range(mine_i, mine_i + len(own)))
+        state.update({i: saved["state"][number[n]] for i, (n, _) in zip(numbers, own) if number[n] in saved["state"]})
         # The local optimizer keeps its own param_names (torch's load_state_dict leaves them when these lack them).
         param_groups.append(
             {**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": numbers}
         )
-        mine_i += len(names)
+        mine_i += len(own)
     return {"state": state, "param_groups": param_groups}
 
 

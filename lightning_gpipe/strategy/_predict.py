@@ -1,37 +1,28 @@
-"""GPipeStrategy's prediction hooks: predictions are returned and written once per replica, by its stage 0."""
+"""Prediction under a pipeline: predictions are returned and written once per replica, by its stage 0."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 
-class PredictHooks:
-    """Mixed into GPipeStrategy: the other stages computed the same predictions, and would otherwise return them
-    again and write duplicate files."""
+def mute_prediction_output(trainer: pl.Trainer) -> list[BasePredictionWriter]:
+    """On a stage other than the first: the predictions are stage 0's again, and would be returned and written
+    twice. Returns the writers muted, for :func:`unmute`."""
+    trainer.predict_loop.return_predictions = False
+    muted = []
+    for writer in trainer.callbacks:  # type: ignore[attr-defined]  # set by its callback connector, not declared
+        if isinstance(writer, BasePredictionWriter):
+            writer.write_on_batch_end = writer.write_on_epoch_end = _skip  # type: ignore[method-assign]
+            muted.append(writer)
+    return muted
 
-    stage: Any
-    lightning_module: Any
-    _muted_writers: list[BasePredictionWriter]
 
-    def on_predict_start(self) -> None:
-        super().on_predict_start()  # type: ignore[misc]
-        self._muted_writers = []
-        if self.stage.is_first:
-            return
-        trainer = self.lightning_module.trainer
-        trainer.predict_loop._return_predictions = False
-        for writer in trainer.callbacks:
-            if isinstance(writer, BasePredictionWriter):
-                writer.write_on_batch_end = writer.write_on_epoch_end = _skip  # type: ignore[method-assign]
-                self._muted_writers.append(writer)
-
-    def on_predict_end(self) -> None:
-        for writer in self._muted_writers:
-            del writer.write_on_batch_end, writer.write_on_epoch_end  # back to the class's methods
-        self._muted_writers = []
-        super().on_predict_end()  # type: ignore[misc]
+def unmute(writers: list[BasePredictionWriter]) -> None:
+    for writer in writers:
+        del writer.write_on_batch_end, writer.write_on_epoch_end  # back to the class's methods
 
 
 def _skip(*args: Any, **kwargs: Any) -> None:

@@ -1,34 +1,26 @@
-"""Loss-only output mode: a step's returned values, logged values and torchmetrics states come from the last stage."""
+"""What a step leaves behind: an error on one stage aborts every stage; with output="placeholder", the last stage's."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_gpipe.pipe import GPipeStage, PipelineError
+from lightning_gpipe.strategy._lightning_internals import forward_cache, logged_values
 
 _BUCKET = 16 * 2**20
 
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
-
-
-def _result_tensors(results: Any) -> list[torch.Tensor]:
-    """The tensors behind every ``self.log`` entry: running value, batch-size weight and this step's value."""
-    out: list[torch.Tensor] = []
-    for metric in results.values() if results is not None else ():
-        if not metric.is_tensor:
-            continue  # a logged torchmetrics object: its states are synchronized as one of the module's metrics
-        out.append(metric.value)
-        if metric.meta.is_mean_reduction:
-            out.append(metric.cumulated_batch_size)
-        if isinstance(metric._forward_cache, torch.Tensor):
-            out.append(metric._forward_cache)
-    return out
 
 
 def _metric_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -40,16 +32,14 @@ def _metric_tensors(module: nn.Module) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for metric in module.modules():
         if isinstance(metric, Metric):
-            for name in metric._defaults:
-                leaves, _ = tree_flatten(getattr(metric, name))
-                out.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-            cache, _ = tree_flatten(metric._forward_cache)
+            leaves, _ = tree_flatten(list(metric.metric_state.values()))
+            out.extend(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+            cache, _ = tree_flatten(forward_cache(metric))
             out.extend(leaf for leaf in cache if isinstance(leaf, torch.Tensor))
     return out
 
 
-def _describe(results: Any, tensors: list[torch.Tensor]) -> list[Any]:
-    keys = list(results.keys()) if results is not None else []
+def _describe(keys: list[str], tensors: list[torch.Tensor]) -> list[Any]:
     return [keys, [(tuple(t.shape), str(t.dtype)) for t in tensors]]
 
 
@@ -75,23 +65,45 @@ def _check_same_structure(described: list[Any], group: Any, last: int, device: t
     )
 
 
-def take_from_last_stage(step_output: Any, module: Any, group: Any, last: int, device: torch.device) -> Any:
+@contextmanager
+def abort_on_error(stage: GPipeStage) -> Iterator[None]:
+    try:
+        yield
+    except PipelineError:
+        raise
+    except Exception as e:
+        # An error on one stage only (in the loss, say) must not leave the other stages waiting for it.
+        stage.abort(e)
+
+
+def from_last_stage(
+    step_output: Any, stage: GPipeStage, module: pl.LightningModule, group: dist.ProcessGroup, device: torch.device
+) -> Any:
+    """``output="placeholder"``: the other stages computed on zeros; the last stage's values replace theirs."""
+    if stage.output_mode != "placeholder" or stage.num_stages == 1:
+        return step_output
+    return take_from_last_stage(step_output, module, group, stage.num_stages - 1, device)
+
+
+def take_from_last_stage(
+    step_output: Any, module: pl.LightningModule, group: dist.ProcessGroup, last: int, device: torch.device
+) -> Any:
     """Overwrite this rank's logged values and metric states with the last stage's, and return its step output.
 
     The other stages computed them from placeholder zeros. Every stage ran the same code on same-shaped values, so
     the tensors line up one to one (checked first); one coalesced broadcast per step (scalars, mostly) replaces them
     in place.
     """
-    results = module.trainer._results
+    keys, logged = logged_values(module.trainer)
     source = dist.get_rank(group) == last
     # The last stage's own loss keeps its graph (it drives the backward phase); the others get detached copies.
     returned = step_output if source else tree_map(lambda t: t.detach().clone() if _is_tensor(t) else t, step_output)
     returned_tensors = [t for t in tree_flatten(returned)[0] if _is_tensor(t)]
-    states = _result_tensors(results) + _metric_tensors(module)
+    states = logged + _metric_tensors(module)
     # Several entries may share one tensor (a value logged on_step only is also its forward cache).
     unique = list({id(t): t for t in states}.values())
     tensors = returned_tensors + unique
-    _check_same_structure(_describe(results, tensors), group, last, device)
+    _check_same_structure(_describe(keys, tensors), group, last, device)
     if source:  # the broadcast writes into its tensors even on the source: those may share a graph's storage
         tensors = [t.detach().clone() for t in tensors]
     if tensors:

@@ -11,8 +11,13 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.trace import Event, gather_events, write_chrome_trace
 from lightning_gpipe.pipe.trace_stats import summary_line
+from lightning_gpipe.strategy._mesh import PipelineMesh
+
+Closure = Callable[[], Any]
+OptimizerStep = Callable[[Closure], Any]  # the strategy's own optimizer_step, given the closure
 
 
 def check_trace_args(trace_dir: str | None, trace_steps: int | Sequence[int]) -> tuple[int, ...]:
@@ -34,8 +39,8 @@ def check_trace_args(trace_dir: str | None, trace_steps: int | Sequence[int]) ->
     return steps
 
 
-class TraceHooks:
-    """Mixed into GPipeStrategy: turns the stage's timeline on for the chosen steps and writes them out.
+class StepTracer:
+    """GPipeStrategy(trace_dir=...): turns the stage's timeline on for the chosen steps and writes them out.
 
     A traced step runs from the first ``training_step`` of an optimizer step (all its accumulation micro-steps
     included) to the end of ``optimizer_step``. Only the first data-parallel replica traces, so the others run
@@ -45,54 +50,48 @@ class TraceHooks:
     ``step_<N>.png``.
     """
 
-    trace_dir: str | None
-    trace_steps: tuple[int, ...]
-    lightning_module: Any
-    stage: Any
-    _header_group: Any
-    _dp_group: Any
-    _trace_origin: int | None = None
-    _trace_step = -1
-    _traced: tuple[int, ...] = ()
+    def __init__(self, trace_dir: str | None, steps: tuple[int, ...]) -> None:
+        self.dir = None if trace_dir is None else Path(trace_dir)
+        self.steps = steps
+        self.traced: tuple[int, ...] = ()
+        self._origin: int | None = None
+        self._step = -1
 
-    def _trace_begin(self) -> None:
+    def begin(self, stage: GPipeStage, mesh: PipelineMesh, step: int) -> None:
         """At the start of every training_step: start tracing if this optimizer step was asked for."""
-        if self.trace_dir is None or self._trace_origin is not None:
+        if self.dir is None or self._origin is not None:
             return
-        step = self.lightning_module.trainer.global_step
-        if step not in self.trace_steps or step in self._traced or dist.get_rank(self._dp_group) != 0:
+        if step not in self.steps or step in self.traced or dist.get_rank(mesh.dp_group) != 0:
             return
-        timeline = self.stage.timeline
+        timeline = stage.timeline
         timeline.clear()
         timeline.enabled = True
         timeline.now()  # let the previous step's queued GPU work finish before the clocks are lined up
-        dist.barrier(group=self._header_group)
-        self._trace_origin, self._trace_step = self._shared_origin(time.perf_counter_ns()), step
+        dist.barrier(group=mesh.header_group)
+        self._origin, self._step = _shared_origin(time.perf_counter_ns(), mesh.header_group), step
 
-    def _shared_origin(self, mine: int) -> int:
-        """Stages on stage 0's host share its monotonic clock, so they take its origin and line up exactly; stages
-        elsewhere keep their own, taken as they left the barrier (aligned to within its release skew)."""
-        here = (socket.gethostname(), mine)
-        every: list[Any] = [None] * dist.get_world_size(self._header_group)
-        dist.all_gather_object(every, here, group=self._header_group)
-        host, origin = every[0]
-        return origin if host == here[0] else mine
-
-    def _trace_loss(self) -> None:
+    def loss(self, stage: GPipeStage) -> None:
         """Just before the backward phase: the time since the forward phase ended went to the loss."""
-        timeline = self.stage.timeline
-        if self._trace_origin is None or not timeline.enabled:
+        timeline = stage.timeline
+        if self._origin is None or not timeline.enabled:
             return
         forward = [e for e in timeline.events if e.kind == "step" and e.label == "forward"]
         if forward:
             timeline.events.append(Event("loss", timeline.stage, -1, forward[-1].end_ns, timeline.now()))
 
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self.trace_dir is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+    def optimizer_step(
+        self,
+        stage: GPipeStage,
+        mesh: PipelineMesh,
+        step: Callable[[Callable[[], Any]], Any],
+        closure: Callable[[], Any],
+    ) -> Any:
+        """``step(closure)``, the optimizer step, timed as the update and ending a traced step."""
+        if self.dir is None:
+            return step(closure)
         # The closure may run the step's training_step, and so start the trace: whether to end it is known after.
         closed: list[int] = []
-        timeline = self.stage.timeline
+        timeline = stage.timeline
 
         def timed_closure() -> Any:
             result = closure()
@@ -100,36 +99,44 @@ class TraceHooks:
             return result
 
         start = timeline.now()
-        out = super().optimizer_step(optimizer, timed_closure, model, **kwargs)  # type: ignore[misc]
-        if self._trace_origin is not None:
-            update = Event("update", timeline.stage, -1, closed[-1] if closed else start, timeline.now())
-            timeline.events.append(update)
-            self._trace_end()
+        out = step(timed_closure)
+        if self._origin is not None:
+            timeline.events.append(Event("update", timeline.stage, -1, closed[-1] if closed else start, timeline.now()))
+            self._end(stage, mesh.header_group, self.dir)
         return out
 
-    def _trace_end(self) -> None:
-        timeline, origin = self.stage.timeline, self._trace_origin
+    def _end(self, stage: GPipeStage, header_group: dist.ProcessGroup, out: Path) -> None:
+        timeline, origin = stage.timeline, self._origin
         assert origin is not None
-        timeline.enabled, self._trace_origin = False, None
-        step = self._trace_step
-        self._traced = (*self._traced, step)
-        events = gather_events(timeline, self._header_group, origin_ns=origin)
+        timeline.enabled, self._origin = False, None
+        step = self._step
+        self.traced = (*self.traced, step)
+        events = gather_events(timeline, header_group, origin_ns=origin)
         timeline.clear()
-        if not self.stage.is_first:
+        if not stage.is_first:
             return
         from lightning_gpipe.pipe.gantt import plot_timeline
 
-        out = Path(self.trace_dir)  # type: ignore[arg-type]
         out.mkdir(parents=True, exist_ok=True)
         stats = plot_timeline(events, out / f"step_{step}.png", title=f"step {step}")
         write_chrome_trace(events, out / f"step_{step}.json", metadata={"step": step, **stats})
         rank_zero_info(f"GPipe trace of step {step} in {out}: {summary_line(stats)}")
 
-    def on_train_end(self) -> None:
-        missed = sorted(set(self.trace_steps) - set(self._traced))
-        if self.trace_dir is not None and missed and dist.get_rank(self._dp_group) == 0:
+    def end_of_fit(self, mesh: PipelineMesh, step: int) -> None:
+        """Name the chosen steps that never ran (``step``: the one the fit ended at)."""
+        missed = sorted(set(self.steps) - set(self.traced))
+        if self.dir is not None and missed and dist.get_rank(mesh.dp_group) == 0:
             rank_zero_warn(
                 f"GPipeStrategy(trace_steps=...): step(s) {missed} never ran, so they were not traced; "
-                f"this fit ended at step {self.lightning_module.trainer.global_step}"
+                f"this fit ended at step {step}"
             )
-        super().on_train_end()  # type: ignore[misc]
+
+
+def _shared_origin(mine: int, header_group: dist.ProcessGroup) -> int:
+    """Stages on stage 0's host share its monotonic clock, so they take its origin and line up exactly; stages
+    elsewhere keep their own, taken as they left the barrier (aligned to within its release skew)."""
+    here = (socket.gethostname(), mine)
+    every: list[Any] = [None] * dist.get_world_size(header_group)
+    dist.all_gather_object(every, here, group=header_group)
+    host, origin = every[0]
+    return origin if host == here[0] else mine

@@ -69,7 +69,8 @@ class WeightCopies:
     def split_for_norm(self, params: Sequence[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(counted, not counted) in this stage's share of the global gradient norm: each weight counts once."""
         replicated = {id(p) for p in self.replicated}
-        counted, skipped = [], []
+        counted: list[nn.Parameter] = []
+        skipped: list[nn.Parameter] = []
         for p in params:
             once = not (id(p) in replicated and not self.stage.is_first) and id(p) not in self._not_first_holder
             (counted if once else skipped).append(p)

@@ -5,52 +5,48 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _set_num_threads_if_needed,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_gpipe.pipe import GPipeStage, PipelineError
-from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
-from lightning_gpipe.pipe.grads import BucketedAllReduce
+from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.schedule import Checkpoint
+from lightning_gpipe.strategy import _checkpoint_files as checkpointing
+from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
-    check_same_batch,
     check_strategy_args,
+    check_world_size,
     find_backbone,
     reject_closure_replaying_optimizers,
     reject_unsupported,
 )
-from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
-from lightning_gpipe.strategy._checkpoint_hooks import CheckpointHooks
-from lightning_gpipe.strategy._clean_exit import destroy_at_exit, keep_at_exit
-from lightning_gpipe.strategy._collectives import Collectives
-from lightning_gpipe.strategy._materialize import has_meta_tensors, materialize, record_init
-from lightning_gpipe.strategy._metric_groups import sync_metrics_over
-from lightning_gpipe.strategy._precision import PrecisionHooks
-from lightning_gpipe.strategy._predict import PredictHooks
-from lightning_gpipe.strategy._step_results import take_from_last_stage
-from lightning_gpipe.strategy._time_balance import agreed_time_balance
-from lightning_gpipe.strategy._trace import TraceHooks, check_trace_args
-from lightning_gpipe.strategy._weight_copies import WeightCopies
+from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
+from lightning_gpipe.strategy._clean_exit import keep_at_exit
+from lightning_gpipe.strategy._materialize import InitRecord, record_init
+from lightning_gpipe.strategy._mesh import PipelineMesh, default_backend, world_barrier, world_broadcast, world_vote
+from lightning_gpipe.strategy._predict import mute_prediction_output, unmute
+from lightning_gpipe.strategy._rank_pipeline import RankPipeline, StageOptions
+from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage
+from lightning_gpipe.strategy._trace import Closure, StepTracer, check_trace_args
 
-Checkpoint = Literal["always", "except_last", "never"]
+_Model = pl.LightningModule | nn.Module | None
 
 
-class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, Collectives, ParallelStrategy):
+class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
 
     The backbone (``backbone``, a dotted attribute path) is split into K = ``pipeline_parallel_size`` stages, one
@@ -64,9 +60,13 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
     chart of every stage, with the measured bubble beside (K−1)/(M+K−1). ``balance="time"`` splits the backbone
     by each layer's measured forward + backward time on one micro-batch of ``example_input_array`` (rank 0 times
     it, layer by layer on its device; every rank gets the same split).
+    ``check_batches``: when the stages of a pipeline compare fingerprints of their batches (which must be the same;
+    per-rank augmentation breaks that), an all-gather and a host sync each: ``"first"`` (default) training step of
+    every epoch, where samplers and worker seeds are set up, ``"always"``, or ``"never"``; never in evaluation.
     """
 
     strategy_name = "gpipe"
+    is_distributed = True  # Lightning's connector knows only its own classes: else it injects no DistributedSampler
 
     def __init__(
         self,
@@ -84,9 +84,10 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         timeout: timedelta | None = default_pg_timeout,
         trace_dir: str | None = None,
         trace_steps: int | list[int] = 5,
+        check_batches: CheckBatches = "first",
     ) -> None:
         super().__init__()
-        check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim)
+        check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim, check_batches)
         self.trace_steps = check_trace_args(trace_dir, trace_steps)
         self.trace_dir = trace_dir
         self.chunks = chunks
@@ -95,30 +96,24 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         self.balance = balance
         self.checkpoint = checkpoint
         self.batch_dim = batch_dim
-        self._step_audit: Callable[[GPipeStage, Any], None] = lambda stage, batch: None  # made in setup
         self.deferred_batch_norm = deferred_batch_norm
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.bucket_size_mb = bucket_size_mb
+        self.check_batches = check_batches
         self._pipeline_parallel_size = pipeline_parallel_size
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._device_mesh: DeviceMesh | None = None
-        self._pp_group: Any = None
-        self._dp_group: Any = None
-        self._header_group: Any = None
-        self._stage: GPipeStage | None = None
-        self._copies: WeightCopies | None = None
-        self._dp_reduce: BucketedAllReduce | None = None
+        self._tracer = StepTracer(trace_dir, self.trace_steps)
+        self._batch_check = BatchCheck(check_batches)
+        self._pipeline_mesh: PipelineMesh | None = None
+        self._pipeline: RankPipeline | None = None
+        self._init_record: InitRecord | None = None
+        self._muted_writers: list[BasePredictionWriter] = []
         self._sync_blocked = False
         self.num_nodes = 1
 
-    # -------------------------------------------------------------------------------------------- process layout
     @property
-    def is_distributed(self) -> bool:
-        # The connector only knows built-in classes: without this no DistributedSampler is injected.
-        return True
-
-    @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -129,8 +124,8 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
 
     @property
     def pipeline_parallel_size(self) -> int:
-        auto = self._pipeline_parallel_size == "auto"
-        return self.num_nodes * self.num_processes if auto else self._pipeline_parallel_size  # type: ignore[return-value]
+        K = self._pipeline_parallel_size
+        return self.num_nodes * self.num_processes if K == "auto" else K
 
     @property
     def data_parallel_size(self) -> int:
@@ -138,17 +133,31 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
+        return self._mesh.device_mesh
+
+    @property
+    def _mesh(self) -> PipelineMesh:
+        if self._pipeline_mesh is None:
             raise RuntimeError("the device mesh exists once the processes have started (after setup_environment)")
-        return self._device_mesh
+        return self._pipeline_mesh
 
     @property
     def stage(self) -> GPipeStage:
-        if self._stage is None:
-            raise RuntimeError("the pipeline stage exists after GPipeStrategy.setup()")
-        return self._stage
+        return self._rank_pipeline.stage
 
     @property
+    def _trainer(self) -> pl.Trainer:
+        assert self.lightning_module is not None
+        return self.lightning_module.trainer
+
+    @property
+    def _rank_pipeline(self) -> RankPipeline:
+        if self._pipeline is None:
+            raise RuntimeError("the pipeline stage exists after GPipeStrategy.setup()")
+        return self._pipeline
+
+    @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Shard over data parallelism only: every stage of one pipeline must see the same batch.
         dp = self.device_mesh["data_parallel"]
@@ -158,224 +167,133 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
+    @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        env = self.cluster_environment
+        assert env is not None
+        if not env.creates_processes_externally:
+            self._launcher = internals.SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # set by Lightning, not in its stubs
 
+    @override
     def setup_environment(self) -> None:
         # Lightning's launcher sets cpus // devices threads in its own process only, after starting the others,
         # which keep torch's default (all cores): every stage gets the same share instead.
-        _set_num_threads_if_needed(num_processes=max(1, self.num_processes))
+        internals.set_num_threads_if_needed(num_processes=max(1, self.num_processes))
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        K = self.pipeline_parallel_size
-        if self.world_size % K:
-            raise ValueError(
-                f"GPipeStrategy(pipeline_parallel_size={K}) does not divide the world size {self.world_size} "
-                f"({self.num_nodes} node(s) × {self.num_processes} process(es)); choose a K that divides it, or 'auto'"
-            )
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        K, device = self.pipeline_parallel_size, self.root_device
+        check_world_size(K, self.world_size, self.num_nodes, self.num_processes)
+        backend = self._process_group_backend = self._process_group_backend or default_backend(device)
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-        destroy_at_exit()
-        # Stages of one pipeline are consecutive ranks, so on multi-GPU nodes neighbours share a node.
-        self._device_mesh = init_device_mesh(
-            self.root_device.type,
-            (self.world_size // K, K),
-            mesh_dim_names=("data_parallel", "pipeline_parallel"),
-        )
-        self._pp_group = self._device_mesh["pipeline_parallel"].get_group()
-        self._dp_group = self._device_mesh["data_parallel"].get_group()
-        self._header_group = self._cpu_pipeline_group()
+        self._pipeline_mesh = PipelineMesh.join(self.cluster_environment, backend, self._timeout, device, K)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        internals.set_device_mesh(self.lightning_module, self._pipeline_mesh.device_mesh)
 
-    # ----------------------------------------------------------------------------------------------------- setup
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
+        module, mesh = self.lightning_module, self._mesh
         self.accelerator.setup(trainer)
-        sync_batchnorm = self._layer_sync is not None
-        reject_unsupported(
-            self.lightning_module,
-            self.backbone,
-            sync_batchnorm=sync_batchnorm,
-            deferred_batch_norm=self.deferred_batch_norm,
-        )
-        _, _, backbone = find_backbone(self.lightning_module, self.backbone)
-        if isinstance(backbone, GPipeStage):  # setup() runs again for validate/test after fit
-            self._stage = backbone
-        else:
-            # A plain optimizer's state dict numbers parameters in this order (checkpoints convert by it).
-            self._plain_parameter_names = [n for n, _ in self.lightning_module.named_parameters()]
-            audit = BackboneAudit(self.lightning_module, backbone, self.backbone)
-            on_meta = has_meta_tensors(self.lightning_module)
-            whole = dict(self.lightning_module.named_modules()) if on_meta else {}
-            balance = self.balance
-            if balance == "time":
-                balance = agreed_time_balance(
-                    self.lightning_module,
-                    backbone,
-                    self.pipeline_parallel_size,
-                    self.chunks,
-                    self.root_device,
-                    on_meta=on_meta,
-                    rank=self.global_rank,
-                    batch_dim=self.batch_dim,
-                    broadcast=self.broadcast,
+        sync_bn = internals.layer_sync_requested(self)
+        reject_unsupported(module, self.backbone, sync_batchnorm=sync_bn, deferred_batch_norm=self.deferred_batch_norm)
+        _, _, backbone = find_backbone(module, self.backbone)
+        if self._pipeline is None or self._pipeline.stage is not backbone:  # setup() runs again after fit
+            if isinstance(backbone, GPipeStage):  # pipelined by an earlier Trainer
+                self._pipeline = RankPipeline(backbone, mesh)
+            else:
+                options = StageOptions(
+                    self.chunks, self.balance, self.checkpoint, self.batch_dim, self.deferred_batch_norm, self.output
                 )
-            self._stage = GPipeStage(
-                backbone,
-                chunks=self.chunks,
-                balance=balance,
-                checkpoint=self.checkpoint,
-                batch_dim=self.batch_dim,
-                group=self._pp_group,
-                header_group=self._header_group,
-                deferred_batch_norm=self.deferred_batch_norm,
-                output=self.output,
-                device=self.root_device,
-                timeout=self._timeout.total_seconds() if self._timeout else 1800.0,
-            )
-            audit.hand_over(self._stage, log=self.global_rank == 0)
-            self._step_audit = StepAudit(self._stage, self.backbone, self.batch_dim, self._dp_group, self.global_rank)
-            if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
-                seed = self.broadcast(torch.initial_seed())
-                record, self._init_record = getattr(self, "_init_record", None), None  # its CPU sources freed after
-                materialize(self.lightning_module, whole, self.root_device, seed, record)
-            if sync_batchnorm:  # per-micro-batch statistics over the replicas of this stage
-                sync_deferred_batch_norm(self._stage, self._dp_group)
+                record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
+                self._pipeline = RankPipeline.build(
+                    module, self.backbone, backbone, options, mesh, self.root_device, sync_bn, record, self.broadcast
+                )
         # Predictions need the real output (see on_predict_start for where they are kept).
         loss_only = self.output == "placeholder" and trainer.state.fn != TrainerFn.PREDICTING
-        self._stage.output_mode = "placeholder" if loss_only else "all"
+        self.stage.output_mode = "placeholder" if loss_only else "all"
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self._copies is None or self._copies.stage is not self._stage:
-            self._copies = WeightCopies(
-                self.lightning_module,
-                self._stage,
-                self.pipeline_parallel_size,
-                self.global_rank,
-                self._pp_group,
-                self._dp_group,
-            )
-            self._copies.broadcast_initial_state()
-        sync_metrics_over(self.lightning_module, self._dp_group)
-        self._dp_reduce = BucketedAllReduce(
-            list(self.lightning_module.parameters()), self._dp_group, int(self.bucket_size_mb * 2**20)
-        )
-        # Lightning clips with a local norm; a pipeline needs the norm of the whole model across stages.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        self._agree_on_loss_scaling()
+        self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_size_mb * 2**20))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            self._batch_check.start_fit()
             self.setup_optimizers(trainer)
             reject_closure_replaying_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            internals.optimizers_to_device(self.optimizers, self.root_device)
 
     @contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device with its initialization recorded; setup materializes only
-        this rank's stage with that initialization, the same whatever K (``lightning_gpipe.strategy._materialize``)."""
+        """``configure_model`` builds on the meta device, its initialization recorded for setup (``_materialize``)."""
         with torch.device("meta"), record_init() as self._init_record:
             yield
 
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        self._reset_optimizers_and_schedulers()
+        # configure_optimizers must not see the optimizers of an earlier fit (their parameters may be gone).
+        self.optimizers, self.lr_scheduler_configs = [], []
         super().setup_optimizers(trainer)
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------------------------------- training step
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
-        self._trace_begin()
+        stage, trainer, mesh = self.stage, self._trainer, self._mesh
+        stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
+        self._tracer.begin(stage, mesh, trainer.global_step)
         batch = args[0] if args else kwargs.get("batch")
-        with self._abort_on_error():
-            check_same_batch(batch, self.pipeline_parallel_size, self._header_group)
+        with abort_on_error(stage):
+            self._batch_check(batch, trainer.current_epoch, mesh.K, mesh.header_group)
             output = self._from_last_stage(super().training_step(*args, **kwargs))
-        self._step_audit(self.stage, batch)
+        if self._rank_pipeline.step_audit is not None:
+            self._rank_pipeline.step_audit(stage, batch)
         return output
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._abort_on_error():
+        with abort_on_error(self.stage):
             return self._from_last_stage(super().validation_step(*args, **kwargs))
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._abort_on_error():
+        with abort_on_error(self.stage):
             return self._from_last_stage(super().test_step(*args, **kwargs))
 
-    def _from_last_stage(self, step_output: Any) -> Any:
-        """``output="placeholder"``: the other stages computed on zeros; the last stage's values replace theirs."""
-        if self.stage.output_mode != "placeholder" or self.pipeline_parallel_size == 1:
-            return step_output
-        last = self.pipeline_parallel_size - 1
-        return take_from_last_stage(step_output, self.lightning_module, self._pp_group, last, self.root_device)
-
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._abort_on_error():
+        with abort_on_error(self.stage):
             return super().predict_step(*args, **kwargs)
 
-    @contextmanager
-    def _abort_on_error(self) -> Generator[None, None, None]:
-        try:
-            yield
-        except PipelineError:
-            raise
-        except Exception as e:
-            # An error on one stage only (in the loss, say) must not leave the other stages waiting for it.
-            self.stage.abort(e)
-
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+    def _from_last_stage(self, step_output: Any) -> Any:
         assert self.lightning_module is not None
-        module = self.lightning_module
+        return from_last_stage(step_output, self.stage, self.lightning_module, self._mesh.pp_group, self.root_device)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        assert self.lightning_module is not None
+        module, plugin = self.lightning_module, self.precision_plugin
         self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        with self._abort_on_error():
-            drain = self.stage.pending
-            # A backbone called under no_grad (a frozen feature extractor) ran a forward-only pass: nothing to drain.
-            if not drain and not self.stage.forward_only_calls:
-                raise RuntimeError(
-                    f"the training step did not call self.{self.backbone}: GPipeStrategy pipelines that call, so "
-                    "every training step must call the backbone exactly once"
-                )
-            # Every stage computed the same loss on the same output; the last stage's gradient is the one that
-            # drives the pipeline, and a head after the backbone must not collect K copies of its gradient.
-            if self.stage.is_last:
-                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            self._trace_loss()
-            if drain:
-                self.stage.backward()
-        if not self._sync_blocked:
-            with self.stage.timeline.record("reduce"):
-                self._reduce_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        closure_loss = plugin.pre_backward(closure_loss, module)
+        last_stage_backward = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)
+        self._rank_pipeline.backward(self.backbone, last_stage_backward, self._tracer, reduce=not self._sync_blocked)
+        closure_loss = plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _reduce_gradients(self) -> None:
-        assert self._copies is not None
-        self._copies.sum_gradients()
-        assert self._dp_reduce is not None
-        self._dp_reduce()
-
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         # Entered on gradient-accumulation micro-steps: reductions wait for the step that ends the window.
         self._sync_blocked = True
@@ -384,9 +302,97 @@ class GPipeStrategy(TraceHooks, PredictHooks, CheckpointHooks, PrecisionHooks, C
         finally:
             self._sync_blocked = False
 
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Closure, model: _Model = None, **kwargs: Any) -> Any:
+        step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
+        return self._tracer.optimizer_step(self.stage, self._mesh, step, closure)
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        # Values are identical on the stages of a pipeline; sync_dist reduces over the data-parallel replicas.
+        if isinstance(tensor, Tensor):
+            group = group if group is not None else self._mesh.dp_group
+            return internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Not ParallelStrategy's vote over the replicas only: ModelCheckpoint and EarlyStopping need every rank's.
+        return world_vote(decision, all, self.root_device, self.world_size)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        world_barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return world_broadcast(obj, src)
+
+    @property
+    def _plain_parameter_names(self) -> list[str] | None:
+        return self._pipeline.plain_parameter_names if self._pipeline is not None else None
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the stage must exist: each rank restores only its own layers
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}  # save_checkpoint collects every rank's states itself
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("GPipeStrategy.save_checkpoint does not take storage_options (it has no CheckpointIO)")
+        path = Path(self.broadcast(str(filepath)))
+        assert self.model is not None
+        sharded, order = self.save_distributed_checkpoint, self._plain_parameter_names
+        checkpointing.save(checkpoint, path, self.model, self.optimizers, self.global_rank, sharded, order)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        return checkpointing.load(path, self.model, self.optimizers, strict, self._plain_parameter_names)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        # The other stages computed the same predictions, and would otherwise return and write them again.
+        self._muted_writers = [] if self.stage.is_first else mute_prediction_output(self._trainer)
+
+    @override
+    def on_predict_end(self) -> None:
+        unmute(self._muted_writers)
+        self._muted_writers = []
+        super().on_predict_end()
+
+    @override
+    def on_train_end(self) -> None:
+        self._tracer.end_of_fit(self._mesh, self._trainer.global_step)
+        super().on_train_end()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         keep_at_exit()
 
+    @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()

@@ -23,6 +23,8 @@ from lightning_gpipe import GPipeStrategy
         ({"batch_dim": False}, "the dimension that holds the samples"),
         ({"trace_steps": [-1]}, "give one or more optimizer-step indices ≥ 0"),
         ({"trace_steps": []}, "give one or more optimizer-step indices ≥ 0"),
+        ({"check_batches": "sometimes"}, "choose one of ['first', 'always', 'never']"),
+        ({"check_batches": True}, "choose one of ['first', 'always', 'never']"),
     ],
     ids=lambda v: repr(v) if isinstance(v, dict) else None,
 )

@@ -1,11 +1,17 @@
-"""The batch fingerprint that GPipeStrategy compares across stages: exact under any thread count, yet sensitive."""
+"""The batch fingerprint that GPipeStrategy compares across stages (exact under any thread count, yet sensitive), and
+GPipeStrategy(check_batches=...): when the stages compare it."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gpipe.strategy._arguments import batch_fingerprint
+from lightning_gpipe.strategy._batch_check import batch_fingerprint
+from tests.helpers.launch import quiet_trainer, run_distributed
+from tests.helpers.tiny_fit import BATCH, dataset, lightning_module
 
 
 @pytest.fixture
@@ -73,3 +79,55 @@ def test_any_leaf_is_fingerprinted(leaf: torch.Tensor) -> None:
     value = batch_fingerprint({"leaf": leaf, "other": [1, "text"]})
     assert 0 <= value < 2**63
     assert batch_fingerprint({"leaf": leaf.clone()}) == batch_fingerprint({"leaf": leaf})
+
+
+EPOCHS, STEPS_PER_EPOCH = 2, 3
+
+
+def check_batches_worker(rank: int, world_size: int, when: str) -> dict:
+    from lightning_gpipe.strategy import GPipeStrategy, _batch_check
+
+    warnings.simplefilter("ignore")
+    checks = []
+    check_same_batch = _batch_check.check_same_batch
+
+    def counted(*args, **kwargs):  # each call is one all-gather over the pipeline
+        checks.append(1)
+        return check_same_batch(*args, **kwargs)
+
+    _batch_check.check_same_batch = counted
+
+    class LaterBatchesDiffer(TensorDataset):
+        def __getitem__(self, i):  # the first batch of every epoch is the same on both stages, later ones are not
+            x, y = super().__getitem__(i)
+            return (x + rank if i >= BATCH else x), y
+
+    trainer = quiet_trainer(
+        devices=world_size,
+        strategy=GPipeStrategy(chunks=2, check_batches=when),
+        max_epochs=EPOCHS,
+        limit_train_batches=STEPS_PER_EPOCH,
+        use_distributed_sampler=False,  # one replica: every epoch reads samples 0, 1, ... in order
+    )
+    try:
+        trainer.fit(lightning_module(), DataLoader(LaterBatchesDiffer(*dataset().tensors), batch_size=BATCH))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "checks": len(checks)}
+    return {"error": None, "checks": len(checks)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("when", "checks"), [("first", EPOCHS), ("never", 0)])
+def test_later_differences_go_unchecked_unless_asked(when: str, checks: int) -> None:
+    """ "first": the first training step of each epoch only, so a batch differing later in the epoch is not compared
+    (no collective there); "never": none at all."""
+    for result in run_distributed(check_batches_worker, 2, when, timeout=280, lightning=True):
+        assert result == {"error": None, "checks": checks}, result
+
+
+@pytest.mark.timeout(150)
+def test_always_compares_every_step_and_fails_clearly() -> None:
+    for result in run_distributed(check_batches_worker, 2, "always", timeout=130, lightning=True):
+        message = result["error"]
+        assert message is not None and "different batch than stage 0" in message and "seed" in message, result
+        assert result["checks"] == 2, result  # the first batch passed, the second differed

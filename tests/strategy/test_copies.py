@@ -88,9 +88,8 @@ def test_weight_tied_across_first_and_last_stage_trains_as_one_weight() -> None:
 
 
 def unseeded_worker(rank: int, world_size: int) -> dict:
-    from test_strategy import TinyPipelined
-
     from lightning_gpipe import GPipeStrategy
+    from tests.helpers.tiny_fit import TinyPipelined
 
     warnings.simplefilter("ignore")
     module = TinyPipelined(lr=0.0)
@@ -117,7 +116,7 @@ def test_replicas_and_replicated_layers_start_from_rank_0s_weights() -> None:
     for name in ("prefix.weight", "head.weight", "head.bias"):
         assert all(s[name] == states[0][name] for s in states), name
     # Rank 0's own initial draw survived: its prefix is N(0, 1) from seed 100, not anyone else's.
-    from test_strategy import TinyPipelined
+    from tests.helpers.tiny_fit import TinyPipelined
 
     first = TinyPipelined(lr=0.0)
     torch.manual_seed(100)

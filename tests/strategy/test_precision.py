@@ -105,9 +105,8 @@ def test_bf16_mixed_runs_and_sends_bf16_activations() -> None:
 
 
 def bf16_true_worker(rank: int, world_size: int) -> dict[str, object]:
-    from test_strategy import reference
-
     from lightning_gpipe.strategy import GPipeStrategy
+    from tests.helpers.tiny_fit import reference
 
     warnings.simplefilter("ignore")
     module = lightning_module()

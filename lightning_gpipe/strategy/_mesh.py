@@ -1,0 +1,98 @@
+"""The process layout of GPipeStrategy: a (data_parallel × pipeline_parallel) mesh, its groups, world collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_gpipe.strategy._clean_exit import destroy_at_exit
+from lightning_gpipe.strategy._lightning_internals import init_dist_connection
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PipelineMesh:
+    """Global rank ``rank = d·K + k`` is stage ``k`` of data-parallel replica ``d``.
+
+    ``pp_group`` holds the K stages of this rank's pipeline, ``dp_group`` the replicas of this rank's stage, and
+    ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU.
+    ``timeout_s``: how long a rank waits for another, the process groups' timeout.
+    """
+
+    K: int
+    rank: int
+    device_mesh: DeviceMesh
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    header_group: dist.ProcessGroup
+    timeout_s: float
+
+    @classmethod
+    def join(
+        cls, environment: ClusterEnvironment, backend: str, timeout: timedelta | None, device: torch.device, K: int
+    ) -> PipelineMesh:
+        """Join the world's process group (as Lightning's strategies do), then lay the mesh out over it."""
+        init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
+        destroy_at_exit()
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        # Stages of one pipeline are consecutive ranks, so on multi-GPU nodes neighbours share a node.
+        shape, names = (world_size // K, K), ("data_parallel", "pipeline_parallel")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        pp_group, dp_group = mesh["pipeline_parallel"].get_group(), mesh["data_parallel"].get_group()
+        header_group = _cpu_group(pp_group, world_size, K, rank)
+        return cls(K, rank, mesh, pp_group, dp_group, header_group, (timeout or default_pg_timeout).total_seconds())
+
+
+def _cpu_group(pp_group: dist.ProcessGroup, world_size: int, K: int, rank: int) -> dist.ProcessGroup:
+    if dist.get_backend(pp_group) == "gloo":
+        return pp_group
+    mine = None
+    for start in range(0, world_size, K):  # new_group is collective over the world: all create all
+        group = dist.new_group(list(range(start, start + K)), backend="gloo")
+        if start <= rank < start + K and isinstance(group, dist.ProcessGroup):
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def default_backend(device: torch.device) -> str:
+    """torch's backend for the device type (Lightning picks it so too); gloo for a type torch has none for."""
+    return dist.Backend.default_device_backend_map.get(device.type, "gloo")
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_vote(decision: bool, all: bool, device: torch.device, world_size: int) -> bool:
+    """One answer on every rank: whether every rank (``all``) or any rank decided so."""
+    if not initialized():
+        return decision
+    votes = torch.tensor(int(decision), device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+    return bool(votes == world_size) if all else bool(votes > 0)
+
+
+def world_barrier(device: torch.device) -> None:
+    if not initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def world_broadcast(obj: T, src: int) -> T:
+    if not initialized():
+        return obj
+    box: list[Any] = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]

@@ -1,0 +1,157 @@
+"""This rank's part of a pipelined module: its stage, and what keeps the copies of every weight equal around it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
+from lightning_gpipe.pipe.grads import BucketedAllReduce
+from lightning_gpipe.pipe.schedule import Checkpoint
+from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
+from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
+from lightning_gpipe.strategy._mesh import PipelineMesh
+from lightning_gpipe.strategy._metric_groups import sync_metrics_over
+from lightning_gpipe.strategy._precision import fit_to_pipeline
+from lightning_gpipe.strategy._step_results import abort_on_error
+from lightning_gpipe.strategy._time_balance import agreed_time_balance
+from lightning_gpipe.strategy._trace import StepTracer
+from lightning_gpipe.strategy._weight_copies import WeightCopies
+
+Balance = list[int] | Literal["parameters", "time"] | Callable[[int, nn.Module], float]
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """GPipeStrategy's arguments that shape the stage."""
+
+    chunks: int
+    balance: Balance
+    checkpoint: Checkpoint
+    batch_dim: int
+    deferred_batch_norm: bool
+    output: Literal["all", "placeholder"]
+
+
+class RankPipeline:
+    """This rank's stage of the pipelined backbone (``stage``), the module's weights with copies on other ranks
+    (``copies``), and the reduction of the gradients over the data-parallel replicas.
+
+    Made by :meth:`build` when this strategy pipelines the backbone, or around a ``stage`` an earlier Trainer made;
+    :meth:`connect` runs at every setup, once the module is converted and on its device.
+    """
+
+    def __init__(
+        self,
+        stage: GPipeStage,
+        mesh: PipelineMesh,
+        step_audit: StepAudit | None = None,
+        plain_parameter_names: list[str] | None = None,
+    ) -> None:
+        self.stage, self.mesh = stage, mesh
+        self.step_audit = step_audit
+        # The plain module's parameter names in order (a plain optimizer's state dict numbers parameters so); known
+        # only when the backbone was pipelined here.
+        self.plain_parameter_names = plain_parameter_names
+        self.copies: WeightCopies | None = None
+        self._dp_reduce: BucketedAllReduce | None = None
+
+    @classmethod
+    def build(
+        cls,
+        module: nn.Module,
+        path: str,
+        backbone: nn.Sequential,
+        options: StageOptions,
+        mesh: PipelineMesh,
+        device: torch.device,
+        sync_batchnorm: bool,
+        init_record: InitRecord | None,
+        broadcast: Callable[[Any], Any],
+    ) -> RankPipeline:
+        """Replace ``backbone`` (at ``path``, and every other reference to it in ``module``) with this rank's stage.
+
+        Collective: every rank calls it. A module built on the meta device (configure_model under the strategy) is
+        materialized here, only this rank's share of it, as ``init_record`` says it was initialized.
+        """
+        K, rank = mesh.K, mesh.rank
+        names = [n for n, _ in module.named_parameters()]
+        audit = BackboneAudit(module, backbone, path)
+        on_meta = has_meta_tensors(module)
+        whole = dict(module.named_modules()) if on_meta else {}
+        balance = options.balance
+        if balance == "time":
+            balance = agreed_time_balance(
+                module,
+                backbone,
+                K,
+                options.chunks,
+                device,
+                on_meta=on_meta,
+                rank=rank,
+                batch_dim=options.batch_dim,
+                broadcast=broadcast,
+            )
+        stage = GPipeStage(
+            backbone,
+            chunks=options.chunks,
+            balance=balance,
+            checkpoint=options.checkpoint,
+            batch_dim=options.batch_dim,
+            group=mesh.pp_group,
+            header_group=mesh.header_group,
+            deferred_batch_norm=options.deferred_batch_norm,
+            output=options.output,
+            device=device,
+            timeout=mesh.timeout_s,
+        )
+        audit.hand_over(stage, log=rank == 0)
+        step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
+        if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
+            seed = broadcast(torch.initial_seed())
+            materialize(module, whole, device, seed, init_record)
+        if sync_batchnorm:  # per-micro-batch statistics over the replicas of this stage
+            sync_deferred_batch_norm(stage, mesh.dp_group)
+        return cls(stage, mesh, step_audit, names)
+
+    def connect(self, module: nn.Module, plugin: Precision, device: torch.device, bucket_bytes: int) -> None:
+        """Collective: the copies made equal (the first time), metrics, gradient reduction and precision plugin
+        pointed at the pipeline's groups."""
+        mesh = self.mesh
+        if self.copies is None:
+            self.copies = WeightCopies(module, self.stage, mesh.K, mesh.rank, mesh.pp_group, mesh.dp_group)
+            self.copies.broadcast_initial_state()
+        sync_metrics_over(module, mesh.dp_group)
+        self._dp_reduce = BucketedAllReduce(list(module.parameters()), mesh.dp_group, bucket_bytes)
+        fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
+
+    def backward(self, path: str, last_stage_backward: Callable[[], None], tracer: StepTracer, reduce: bool) -> None:
+        """The backward phase of a training step whose loss every stage computed; ``reduce`` the gradients then,
+        unless an accumulation window goes on (``path``: the backbone's, for the error)."""
+        stage = self.stage
+        with abort_on_error(stage):
+            drain = stage.pending
+            # A backbone called under no_grad (a frozen feature extractor) ran a forward-only pass: nothing to drain.
+            if not drain and not stage.forward_only_calls:
+                raise RuntimeError(
+                    f"the training step did not call self.{path}: GPipeStrategy pipelines that call, so "
+                    "every training step must call the backbone exactly once"
+                )
+            # Every stage computed the same loss on the same output; the last stage's gradient is the one that
+            # drives the pipeline, and a head after the backbone must not collect K copies of its gradient.
+            if stage.is_last:
+                last_stage_backward()
+            tracer.loss(stage)
+            if drain:
+                stage.backward()
+        if reduce:
+            assert self.copies is not None and self._dp_reduce is not None, "connect() first"
+            with stage.timeline.record("reduce"):
+                self.copies.sum_gradients()
+                self._dp_reduce()

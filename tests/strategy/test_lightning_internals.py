@@ -1,0 +1,133 @@
+"""Every private Lightning and torchmetrics API GPipeStrategy relies on, pinned: an upgrade that changes one fails here.
+
+Each test names the internal (see ``lightning_gpipe/strategy/_lightning_internals.py``) and what the strategy needs of
+it, in one process and in a few seconds.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+from lightning_gpipe.strategy import GPipeStrategy
+from lightning_gpipe.strategy import _lightning_internals as internals
+from tests.helpers.launch import quiet_trainer
+
+
+def parameters(fn: Any) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_process_start_and_join() -> None:
+    """The launcher takes (environment, processes, nodes); the connection takes the backend and init_process_group's
+    keyword arguments (timeout, device_id)."""
+    assert issubclass(internals.SubprocessScriptLauncher, _Launcher)
+    assert parameters(internals.SubprocessScriptLauncher.__init__)[1:] == [
+        "cluster_environment",
+        "num_processes",
+        "num_nodes",
+    ]
+    launcher = internals.SubprocessScriptLauncher(LightningEnvironment(), 2, 1)
+    assert not launcher.is_interactive_compatible
+    init = inspect.signature(internals.init_dist_connection).parameters
+    assert list(init)[:2] == ["cluster_environment", "torch_distributed_backend"]
+    assert init["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+
+
+def test_threads_optimizer_states_and_reduction() -> None:
+    assert parameters(internals.set_num_threads_if_needed) == ["num_processes"]
+    assert parameters(internals.optimizers_to_device) == ["optimizers", "device"]
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([weight])
+    weight.grad = torch.ones(2)
+    optimizer.step()
+    internals.optimizers_to_device([optimizer], torch.device("cpu"))
+    assert optimizer.state[weight]["exp_avg"].device.type == "cpu"
+    assert parameters(internals.sync_ddp_if_available) == ["result", "group", "reduce_op"]
+    value = torch.tensor([3.0])  # no process group: returned as it is
+    assert internals.sync_ddp_if_available(value, None, reduce_op="mean") is value
+
+
+def test_the_connector_hands_over_sync_batchnorm_num_nodes_and_world_ranks() -> None:
+    """Trainer(sync_batchnorm=True) reaches the strategy as ``_layer_sync``; ``num_nodes`` and ``set_world_ranks``
+    are set and called for any strategy that has them, ``is_distributed`` read with hasattr."""
+    called = []
+
+    class Probe(GPipeStrategy):
+        def set_world_ranks(self) -> None:
+            called.append(True)
+            super().set_world_ranks()
+
+    for sync in (False, True):
+        strategy = Probe(chunks=2)
+        trainer = quiet_trainer(devices=2, num_nodes=1, strategy=strategy, sync_batchnorm=sync)
+        assert trainer.strategy is strategy
+        assert internals.layer_sync_requested(strategy) is sync
+        assert strategy.num_nodes == 1 and strategy.num_processes == 2
+        assert trainer._accelerator_connector.is_distributed
+        assert isinstance(strategy.launcher, internals.SubprocessScriptLauncher)
+    assert called == [True, True]
+
+
+def test_device_mesh_of_the_module() -> None:
+    module = pl.LightningModule()
+    mesh = object()
+    internals.set_device_mesh(module, mesh)  # type: ignore[arg-type]
+    assert module.device_mesh is mesh
+
+
+def test_logged_values_and_their_tensors() -> None:
+    """``Trainer._results`` is the running loop's collection; each entry keeps its running value, its batch-size
+    weight (mean) and this step's value (forward cache)."""
+    assert isinstance(inspect.getattr_static(pl.Trainer, "_results"), property)
+    results = _ResultCollection(training=True)
+    results.log("training_step", "loss", torch.tensor(2.0), on_step=True, on_epoch=True, batch_size=4)
+    results.log("training_step", "top", torch.tensor(5.0), on_step=False, on_epoch=True, reduce_fx="max", batch_size=4)
+
+    class Trainer:
+        _results = results
+
+    keys, tensors = internals.logged_values(Trainer())  # type: ignore[arg-type]
+    assert keys == ["training_step.loss", "training_step.top"]
+    loss, top = results["training_step.loss"], results["training_step.top"]
+    expected = [loss.value, loss.cumulated_batch_size, loss._forward_cache, top.value]
+    assert len(tensors) == len(expected) and all(a is b for a, b in zip(tensors, expected)), tensors
+    assert float(loss.value) == 8.0 and float(loss.cumulated_batch_size) == 4.0 and float(top.value) == 5.0
+
+    class Empty:
+        _results = None
+
+    assert internals.logged_values(Empty()) == ([], [])  # type: ignore[arg-type]
+
+
+def test_metric_forward_cache_and_public_state() -> None:
+    torchmetrics = pytest.importorskip("torchmetrics")
+    metric = torchmetrics.MeanMetric()
+    out = metric(torch.tensor([1.0, 3.0]))
+    assert internals.forward_cache(metric) is out
+    assert set(metric.metric_state) == {"mean_value", "weight"}  # the public view of every state
+
+
+def test_norm_clipping_reaches_the_routed_function() -> None:
+    """The Trainer clips through ``Precision.clip_gradients``, which calls ``self.clip_grad_by_norm`` for "norm"."""
+    plugin = Precision()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    seen = []
+    internals.route_norm_clipping(plugin, lambda opt, clip_val: seen.append((opt, clip_val)))
+    plugin.clip_gradients(optimizer, 0.5, "norm")
+    assert seen == [(optimizer, 0.5)]
+    assert "clip_grad_by_norm" not in vars(Precision())  # one instance only: the class keeps its method
+
+
+def test_prediction_return_is_a_public_switch() -> None:
+    trainer = quiet_trainer(devices=1)
+    trainer.predict_loop.return_predictions = False
+    assert trainer.predict_loop.return_predictions is False
