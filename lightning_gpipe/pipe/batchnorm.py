@@ -76,8 +76,9 @@ class DeferredBatchNorm(_BatchNorm):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        # Plain attributes, not buffers: the state dict must stay that of nn.BatchNorm.
-        self._dims: int | None = None
+        # Plain attributes, not buffers: the state dict must stay that of nn.BatchNorm. The d of the BatchNormNd
+        # this layer replaced, or else the dimensions of its first input: what revert_deferred_batch_norm gives back.
+        self._replaced_dims: int | None = None
         self._seen_ndim: int | None = None
         self.sync_group: dist.ProcessGroup | None = None
         self._reset_accumulators()
@@ -87,7 +88,7 @@ class DeferredBatchNorm(_BatchNorm):
         return {**super().__getstate__(), "sync_group": None}
 
     def _reset_accumulators(self) -> None:
-        self._pending = False  # a micro-batch was accumulated; with sync, the replicas agree on it, not on the count
+        self._accumulated = False  # since the last commit; with sync, the replicas agree on this, not on the count
         self._count = 0
         self._mean: torch.Tensor | None = None
         self._m2: torch.Tensor | None = None
@@ -102,7 +103,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if self._dims is None:
+        if self._replaced_dims is None:
             self._seen_ndim = input.dim()
         # A recompute re-runs a micro-batch of a deferred forward phase: normalize the same way, but never update.
         deferring = (is_deferring() or is_recomputing()) and self.training
@@ -132,7 +133,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _accumulate(self, x: torch.Tensor) -> None:
-        self._pending = True
+        self._accumulated = True
         n = x.numel() // x.shape[1]
         if n == 0:
             return
@@ -185,7 +186,7 @@ class DeferredBatchNorm(_BatchNorm):
         """Replace every nn.BatchNorm1d/2d/3d inside ``module`` (or ``module`` itself) by a DeferredBatchNorm."""
         if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
             converted = _rebuild(module, cls)
-            converted._dims = next(d for d, kind in _BATCH_NORMS.items() if isinstance(module, kind))
+            converted._replaced_dims = next(d for d, kind in _BATCH_NORMS.items() if isinstance(module, kind))
             return converted
         for name, child in list(module.named_children()):
             module.add_module(name, cls.convert_deferred_batch_norm(child))
@@ -221,7 +222,7 @@ def revert_deferred_batch_norm(module: nn.Module) -> nn.Module:
     Statistics accumulated but not committed are dropped.
     """
     if isinstance(module, DeferredBatchNorm):
-        dims = module._dims if module._dims is not None else _dims_of(module._seen_ndim)
+        dims = module._replaced_dims if module._replaced_dims is not None else _dims_of(module._seen_ndim)
         return _rebuild(module, _BATCH_NORMS[dims])
     for name, child in list(module.named_children()):
         module.add_module(name, revert_deferred_batch_norm(child))
@@ -236,7 +237,7 @@ def commit_deferred_batch_norm(module: nn.Module) -> None:
     """
     synced: dict[int, tuple[dist.ProcessGroup, list[DeferredBatchNorm]]] = {}
     for bn in module.modules():
-        if not isinstance(bn, DeferredBatchNorm) or not bn._pending:
+        if not isinstance(bn, DeferredBatchNorm) or not bn._accumulated:
             continue
         if bn.sync_group is None:
             bn._fold(*bn._moments())

@@ -35,8 +35,9 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _mask_device(group: dist.ProcessGroup) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)).lower():
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small tensor made for a collective over ``group`` must live: NCCL takes CUDA tensors only."""
+    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -51,7 +52,7 @@ def used_somewhere(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> 
     if not params:
         return []
     flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    flags = flags.to(_mask_device(group))
+    flags = flags.to(_collective_device(group))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return [p for p, used in zip(params, flags.tolist()) if used]
 
@@ -188,11 +189,7 @@ class BucketedAllReduce:
 
 def _norm_device(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> torch.device:
     # A stage without parameters still joins the all-reduce, on a device the backend accepts.
-    if params:
-        return params[0].device
-    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return params[0].device if params else _collective_device(group)
 
 
 def global_grad_norm(

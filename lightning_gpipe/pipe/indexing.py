@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -36,68 +36,53 @@ class RemoteLayer(nn.Module):
         return self.where
 
 
-class LayerIndexing:
-    """Mixed into GPipeStage: ``len(stage)`` is L, all layers of the backbone; ``stage[i]`` is layer i (global,
-    negative too) when this stage holds it and a :class:`RemoteLayer` otherwise; ``stage[a:b]`` is an nn.Sequential
-    of the layers of that range this stage holds, under their global names; iterating gives ``stage[0]`` to
-    ``stage[L - 1]``. Placeholders are made on demand and never registered, so state dicts and named_modules only
-    ever see this stage's own layers."""
+class LayerIndex:
+    """The layers of the whole backbone by global index, as seen from stage ``index`` of the split ``balance``.
 
-    _layer_names: list[str]
-    _layer_kinds: list[str]
-    _balance: list[int]
-    _k: int
-    _modules: dict[str, nn.Module | None]
-    _remote: dict[int, RemoteLayer]
+    ``len`` is L, all layers of the backbone; :meth:`get` of i is layer i (global, negative too) when this stage
+    holds it and a :class:`RemoteLayer` otherwise; of a slice, an nn.Sequential of the layers of that range this stage
+    holds, under their global names. ``held`` is the stage's own layers by name. Placeholders are made on demand and
+    never registered, so state dicts and named_modules only ever see this stage's own layers.
+    """
 
-    def _index_layers(self, module: nn.Sequential) -> None:
-        self._layer_names = list(module._modules)
-        self._layer_kinds = [type(layer).__name__ for layer in module]
-        self._remote = {}
-
-    @property
-    def _producer(self) -> str:
-        """How errors about what crosses the boundary name the layer that returned it: this stage's last."""
-        last = self.layer_range[-1]
-        return f"layer {self._layer_names[last]} ({self._layer_kinds[last]})"
+    def __init__(self, module: nn.Sequential, balance: list[int], index: int) -> None:
+        self._names = list(module._modules)
+        self._kinds = [type(layer).__name__ for layer in module]
+        self._balance = balance
+        self._index = index
+        self._remote: dict[int, RemoteLayer] = {}
 
     def __len__(self) -> int:
-        return len(self._layer_names)
+        return len(self._names)
 
-    def __iter__(self) -> Iterator[nn.Module]:
-        return (self[i] for i in range(len(self)))
+    def label(self, i: int) -> str:
+        """How errors name layer i: its name in the whole backbone and its class, e.g. ``layer 3 (GRU)``."""
+        return f"layer {self._names[i]} ({self._kinds[i]})"
 
-    def __getitem__(self, index: int | slice) -> nn.Module:
+    def get(self, index: int | slice, held: Mapping[str, nn.Module | None]) -> nn.Module:
         if isinstance(index, slice):
-            names = [self._layer_names[i] for i in range(*index.indices(len(self)))]
-            return nn.Sequential(OrderedDict((name, self._modules[name]) for name in names if name in self._modules))
+            names = [self._names[i] for i in range(*index.indices(len(self)))]
+            return nn.Sequential(OrderedDict((name, layer) for name in names if (layer := held.get(name)) is not None))
         i = operator.index(index)
         L = len(self)
         if not -L <= i < L:
             raise IndexError(f"layer index {i} is out of range: the pipelined backbone has {L} layers")
         i %= L
-        layer = self._modules.get(self._layer_names[i])
+        layer = held.get(self._names[i])
         if layer is not None:
             return layer
         if i not in self._remote:
             self._remote[i] = RemoteLayer(self._where(i))
         return self._remote[i]
 
-    def holds(self, index: int) -> bool:
-        """Whether this stage holds layer ``index`` (global, negative too)."""
-        return not isinstance(self[index], RemoteLayer)
-
     @property
     def layer_range(self) -> range:
         """The global indices of the layers this stage holds."""
-        start = sum(self._balance[: self._k])
-        return range(start, start + self._balance[self._k])
+        start = sum(self._balance[: self._index])
+        return range(start, start + self._balance[self._index])
 
     def _where(self, i: int) -> str:
         owner = next(k for k in range(len(self._balance)) if i < sum(self._balance[: k + 1]))
         mine = self.layer_range
         held = f"layer {mine[0]}" if len(mine) == 1 else f"layers {mine[0]}–{mine[-1]}"
-        return (
-            f"layer {self._layer_names[i]} ({self._layer_kinds[i]}) is on stage {owner}; "
-            f"this rank is stage {self._k} and holds {held}"
-        )
+        return f"{self.label(i)} is on stage {owner}; this rank is stage {self._index} and holds {held}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -46,4 +46,4 @@ class Placeholder:
 
 
 OutputMode = Literal["last", "all", "placeholder"]
-OUTPUT_MODES = ("last", "all", "placeholder")
+OUTPUT_MODES: tuple[OutputMode, ...] = get_args(OutputMode)

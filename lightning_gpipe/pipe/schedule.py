@@ -25,16 +25,50 @@ last one, whose backward comes first, so recomputing it would only delay the dra
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, Protocol, get_args
+
+import torch
+from torch import nn
+
+from lightning_gpipe.pipe.batchnorm import (
+    check_replicas_run_the_same_m,
+    commit_deferred_batch_norm,
+    deferred_statistics,
+)
+from lightning_gpipe.pipe.boundary import check_boundary
+from lightning_gpipe.pipe.buffers import StatefulBuffers
+from lightning_gpipe.pipe.failures import FailureHandler
+from lightning_gpipe.pipe.links import Links
+from lightning_gpipe.pipe.microbatch import (
+    differentiable,
+    join,
+    join_input_grads,
+    plan_sizes,
+    split_by_sizes,
+    split_leaves,
+    tensors,
+)
+from lightning_gpipe.pipe.outputs import join_outputs, output_grads, share_output
+from lightning_gpipe.pipe.records import MicroBatch, OutputMode, Step
+from lightning_gpipe.pipe.rematerialize import ForwardState, recomputing
+from lightning_gpipe.pipe.rng import draw_step_seed, mix, restored_streams
+from lightning_gpipe.pipe.trace import Timeline
 
 Checkpoint = Literal["always", "except_last", "never"]
-CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+CHECKPOINT_MODES: tuple[Checkpoint, ...] = get_args(Checkpoint)
+
+
+class RunLayers(Protocol):
+    """Runs a stage's layers on one micro-batch, their randomness seeded by ``seed``; ``copy``: on a copy of ``x``."""
+
+    def __call__(self, x: Any, seed: int, copy: bool = True) -> Any: ...
 
 
 def validate_checkpoint(mode: str) -> Checkpoint:
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint={mode!r} is not one of {list(CHECKPOINT_MODES)}")
-    return mode  # type: ignore[return-value]
+    for valid in CHECKPOINT_MODES:
+        if mode == valid:
+            return valid
+    raise ValueError(f"checkpoint={mode!r} is not one of {list(CHECKPOINT_MODES)}")
 
 
 def is_checkpointed(mode: Checkpoint, m: int, M: int) -> bool:
@@ -46,9 +80,185 @@ def is_checkpointed(mode: Checkpoint, m: int, M: int) -> bool:
     return False
 
 
-def forward_order(M: int) -> range:
-    return range(M)
-
-
 def backward_order(M: int) -> range:
     return range(M - 1, -1, -1)
+
+
+class Schedule:
+    """Runs stage ``index``'s part of each phase drawn above, given the parts of the stage it works with.
+
+    ``layers`` is the stage's module (its parameters, its BatchNorm layers); ``run`` runs them on a micro-batch;
+    ``producer`` names its last layer in boundary errors. ``links`` is None on a stage without peers.
+    """
+
+    def __init__(
+        self,
+        layers: nn.Module,
+        run: RunLayers,
+        *,
+        index: int,
+        num_stages: int,
+        checkpoint: Checkpoint,
+        batch_dim: int,
+        device: torch.device,
+        producer: str,
+        stateful_buffers: StatefulBuffers,
+        failures: FailureHandler,
+        links: Links | None,
+        timeline: Timeline,
+    ) -> None:
+        self.layers = layers
+        self.run = run
+        self.index = index
+        self.num_stages = num_stages
+        self.checkpoint = checkpoint
+        self.batch_dim = batch_dim
+        self.device = device
+        self.producer = producer
+        self.stateful_buffers = stateful_buffers
+        self.failures = failures
+        self.links = links
+        self.timeline = timeline
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+
+    def _peers(self) -> Links:
+        assert self.links is not None, "a stage with a neighbour has links"
+        return self.links
+
+    def forward(self, input: Any, chunks: int, output_mode: OutputMode) -> tuple[Step, Any]:
+        """The forward phase: every micro-batch through this stage, in order; returns the step and the output."""
+        seed = draw_step_seed()  # outside the restored streams: the next step draws the next seed
+        batch_dim, stateful = self.batch_dim, self.stateful_buffers
+        with self.failures.phase("forward", output_mode) as where, restored_streams(self.device):
+            sizes = plan_sizes(input, chunks, batch_dim) if self.is_first else []
+            micro_inputs, input_leaves = split_leaves(input, sizes, batch_dim) if self.is_first else ([], [])
+            could_require = any(p.requires_grad for p in self.layers.parameters())
+            step = Step([], input_leaves=input_leaves, seed=seed)
+            stateful.begin()
+            m, M = 0, len(micro_inputs)
+            while m < M or (m == 0 and not self.is_first):
+                where[0] = m
+                if self.is_first:
+                    x, n = micro_inputs[m], sizes[m]
+                else:
+                    x, got = self._peers().receive(m, training=True)
+                    M, n, step.seed = got["M"], got["n"], got["seed"]
+                if m == 0:
+                    check_replicas_run_the_same_m(self.layers, M, self.device)
+                ckpt = is_checkpointed(self.checkpoint, m, M)
+                state = ForwardState.capture([self.device]) if ckpt else None
+                buffers, before = stateful.snapshot() if ckpt else None, stateful.mark()
+                with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
+                    y = self.run(x, mix(step.seed, m))
+                stateful.learn(before)
+                check_boundary(y, n, batch_dim, self.producer, self.is_last)
+                needs = could_require or any(t.requires_grad for t in tensors(x))
+                marks = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(y)]
+                mb = MicroBatch(x, y, state, marks, buffers=buffers)
+                step.sizes.append(n)
+                if not self.is_last:
+                    fields = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed}
+                    mb.metas = self._peers().send(self.index + 1, y, m, requires_grad=marks, **fields)
+                    if ckpt:
+                        mb.output = None
+                step.micro.append(mb)
+                m += 1
+            commit_deferred_batch_norm(self.layers)
+            where[0] = None
+            output = join_outputs(step, batch_dim) if self.is_last else None
+            output = share_output(output, output_mode, self.links, self.num_stages, self.device)
+            if self.links is not None and output_mode == "last":  # else the shared output told how the phase ended
+                with self.timeline.record("status"):
+                    self.links.check_status()
+        return step, output
+
+    def backward(self, step: Step, grad_output: Any, output_mode: OutputMode) -> None:
+        """The backward phase: the micro-batches of ``step`` in reverse, each recomputed first if checkpointed."""
+        links = self.links
+        with self.failures.phase("backward", output_mode) as where:
+            last_grads = output_grads(step, grad_output, self.batch_dim) if self.is_last else None
+            input_grads: list[list[torch.Tensor]] = [[] for _ in step.micro]
+            for m in backward_order(len(step.micro)):
+                where[0] = m
+                mb = step.micro[m]
+                pending = None
+                if not self.is_last:
+                    expect = [meta for meta, mark in zip(mb.metas, mb.marks) if mark]
+                    what = f"micro-batch {m}'s output gradient"
+                    pending = self._peers().transport.post_recv(self.index + 1, what, expect=expect)
+                y = mb.output
+                if mb.state is not None:
+                    with (
+                        self.timeline.record("recompute", m),
+                        mb.state.restore(),
+                        self.stateful_buffers.replay(mb.buffers),
+                        recomputing(),
+                        torch.enable_grad(),
+                    ):
+                        y = self.run(mb.input, mix(step.seed, m))
+                if pending is not None:
+                    with self.timeline.record("recv-wait", m):
+                        grads, _ = pending.wait()
+                else:
+                    assert last_grads is not None
+                    grads = last_grads[m]
+                with self.timeline.record("backward", m):
+                    marked = [t for t, mark in zip(tensors(y), mb.marks) if mark]
+                    pairs = [(t, g) for t, g in zip(marked, grads) if t.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                leaves = [t for t in tensors(mb.input) if t.requires_grad]
+                grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+                step.micro[m] = MicroBatch(None, None, None, [])  # free this micro-batch's memory now
+                if not self.is_first:
+                    self._peers().send(self.index - 1, grads_in, m, requires_grad=[False] * len(grads_in))
+                else:
+                    input_grads[m] = grads_in
+            where[0] = None
+            if self.is_first and step.input_leaves:
+                torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, self.batch_dim))
+            if links is not None:
+                with self.timeline.record("status"):
+                    links.check_status()
+        if links is not None:
+            links.transport.wait_sends()
+
+    def evaluate(self, input: Any, chunks: int, output_mode: OutputMode) -> Any:
+        """A forward-only pipeline (no grad): nothing is kept for a backward phase."""
+        seed = draw_step_seed()
+        batch_dim = self.batch_dim
+        with (
+            self.failures.phase("evaluation", output_mode) as where,
+            deferred_statistics(),
+            restored_streams(self.device),
+        ):
+            planned = plan_sizes(input, chunks, batch_dim) if self.is_first else []
+            micro_inputs = split_by_sizes(input, planned, batch_dim) if self.is_first else []
+            outs, sizes = [], []
+            m, M = 0, len(micro_inputs)
+            while m < M or (m == 0 and not self.is_first):
+                where[0] = m
+                if self.is_first:
+                    x, n = micro_inputs[m], planned[m]
+                else:
+                    x, got = self._peers().receive(m, training=False)
+                    M, n, seed = got["M"], got["n"], got["seed"]
+                with self.timeline.record("forward", m):
+                    y = self.run(x, mix(seed, m), copy=False)
+                check_boundary(y, n, batch_dim, self.producer, self.is_last)
+                sizes.append(n)
+                if self.is_last:
+                    outs.append(y)
+                else:
+                    self._peers().send(self.index + 1, y, m, m=m, M=M, n=n, training=False, seed=seed)
+                m += 1
+            commit_deferred_batch_norm(self.layers)
+            where[0] = None
+            output = join(outs, batch_dim, sizes) if self.is_last else None
+            output = share_output(output, output_mode, self.links, self.num_stages, self.device)
+            if self.links is not None and output_mode == "last":  # else the shared output told how the phase ended
+                self.links.check_status()
+        if self.links is not None:
+            self.links.transport.wait_sends()
+        return output

@@ -23,6 +23,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 
 HEADER_BYTES = 1024
+# How long a stage waits for a peer before raising PipelineTimeout, unless told otherwise (torch.distributed's default).
+DEFAULT_TIMEOUT_S = 1800.0
 _LEN = struct.Struct("<q")
 # Each directed pair of stages carries one kind of traffic; tags only keep headers apart from tensor bytes.
 HEADER_TAG, DATA_TAG, OUTPUT_TAG, OUTPUT_DATA_TAG = 0, 1, 2, 3
@@ -237,4 +239,6 @@ def cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
             f"the pipeline group uses {dist.get_backend(group)!r}; pass header_group=, a gloo group over the same "
             "ranks (dist.new_group(ranks, backend='gloo'), created on every rank of the world)"
         )
-    return dist.new_group(backend="gloo")
+    headers = dist.new_group(backend="gloo")
+    assert isinstance(headers, dist.ProcessGroup), "every rank is a member of a group over all ranks"
+    return headers

@@ -67,7 +67,7 @@ def train_step(stage: GPipeStage, x: torch.Tensor, target: torch.Tensor) -> tupl
     """One pipeline step; returns this stage's gradients and the packs counted during the forward phase only."""
     x = x.clone().requires_grad_()
     out, packs = count_packs(lambda: stage(x))
-    boundary_only(stage, stage._checkpoint, tuple(x.shape[1:]))
+    boundary_only(stage, stage._schedule.checkpoint, tuple(x.shape[1:]))
     if out is not None:
         loss_fn(out, target).backward()
     stage.backward()
