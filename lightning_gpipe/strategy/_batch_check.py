@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning_gpipe.pipe.microbatch import tensors
 
 CheckBatches = Literal["first", "always", "never"]
-CHECK_BATCHES: tuple[str, ...] = ("first", "always", "never")
+CHECK_BATCHES: tuple[str, ...] = get_args(CheckBatches)
 
 
 class BatchCheck:

@@ -79,13 +79,7 @@ class StepTracer:
         if forward:
             timeline.events.append(Event("loss", timeline.stage, -1, forward[-1].end_ns, timeline.now()))
 
-    def optimizer_step(
-        self,
-        stage: GPipeStage,
-        mesh: PipelineMesh,
-        step: Callable[[Callable[[], Any]], Any],
-        closure: Callable[[], Any],
-    ) -> Any:
+    def optimizer_step(self, stage: GPipeStage, mesh: PipelineMesh, step: OptimizerStep, closure: Closure) -> Any:
         """``step(closure)``, the optimizer step, timed as the update and ending a traced step."""
         if self.dir is None:
             return step(closure)

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -347,7 +347,7 @@ class GPipeStrategy(ParallelStrategy):
         return {}  # save_checkpoint collects every rank's states itself
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError("GPipeStrategy.save_checkpoint does not take storage_options (it has no CheckpointIO)")
         path = Path(self.broadcast(str(filepath)))
@@ -357,7 +357,7 @@ class GPipeStrategy(ParallelStrategy):
         self.barrier()
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
