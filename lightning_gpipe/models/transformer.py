@@ -9,13 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Re-exported: greedy_decode lived here before decoding.py existed.
-from lightning_gpipe.models.decoding import greedy_decode
-
 __all__ = [
     "DecoderLayer",
     "EncoderLayer",
-    "greedy_decode",
     "transformer_nmt",
     "transformer_nmt_num_parameters",
 ]

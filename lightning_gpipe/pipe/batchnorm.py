@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ __all__ = [
 ]
 
 _local = threading.local()
+
+_AnyBatchNorm = TypeVar("_AnyBatchNorm", bound=_BatchNorm)
 
 _BATCH_NORMS: dict[int, type[_BatchNorm]] = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
@@ -152,6 +155,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _moments(self) -> Moments:
         # A replica that saw no value still joins the merge, with zeros.
+        assert self.running_mean is not None, "only a layer that tracks running statistics accumulates"
         zeros = torch.zeros(self.num_features, dtype=torch.float64, device=self.running_mean.device)
         mean, m2 = (self._mean, self._m2) if self._mean is not None and self._m2 is not None else (zeros, zeros)
         return self._count, mean, m2
@@ -193,7 +197,7 @@ class DeferredBatchNorm(_BatchNorm):
         return module
 
 
-def _rebuild(source: _BatchNorm, kind: type[_BatchNorm]) -> _BatchNorm:
+def _rebuild(source: _BatchNorm, kind: type[_AnyBatchNorm]) -> _AnyBatchNorm:
     # Built on meta, then handed the source's own parameters and buffers: optimizers and weight ties keep working.
     target = kind(
         source.num_features,

@@ -15,11 +15,6 @@ _FIX = (
 )
 
 
-def layer_label(name: str, layer: Any) -> str:
-    """How errors name a layer: its name in the whole backbone and its class, e.g. ``layer 3 (GRU)``."""
-    return f"layer {name} ({type(layer).__name__})"
-
-
 def check_boundary(output: Any, n: int, batch_dim: int, producer: str, last: bool) -> None:
     """Raise ValueError unless every tensor of a stage's micro-batch ``output`` has ``n`` samples along
     ``batch_dim``; ``producer`` names the layer that returned it. The last stage's output is the pipeline's: it is

@@ -91,16 +91,17 @@ class StatefulBuffers:
             yield
             return
         names = self.changed
-        slots = []
+        slots: list[tuple[nn.Module, str, torch.Tensor]] = []
         for name in names:
             owner_name, _, leaf = name.rpartition(".")
             owner = self._module.get_submodule(owner_name)
-            slots.append((owner, leaf, owner._buffers[leaf]))
+            original = owner._buffers[leaf]
+            assert original is not None, f"{name} is one of named_buffers(), which are tensors"
+            slots.append((owner, leaf, original))
         copies: dict[int, torch.Tensor] = {}
         for (owner, leaf, original), name in zip(slots, names):
-            if snapshot is not None and name in snapshot:
-                stand_in = snapshot[name]
-            else:
+            stand_in = snapshot.get(name) if snapshot is not None else None
+            if stand_in is None:
                 stand_in = copies.get(id(original))
                 if stand_in is None:
                     stand_in = copies[id(original)] = original.detach().clone()

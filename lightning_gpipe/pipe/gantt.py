@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_gpipe.pipe.trace import Event
+from lightning_gpipe.pipe.trace import COMMUNICATION, Event
 from lightning_gpipe.pipe.trace_stats import breakdown
 
 # Compute on the upper band of a stage's row; waits, sends and reductions on a thin band below it.
@@ -18,12 +18,11 @@ COLORS = {
     "update": "#B279A2",
     "reduce": "#9D755D",
     "recv-wait": "#BAB0AC",
-    "send-wait": "#D8D2CF",
     "send": "#E45756",
     "status": "#79706E",
 }
 LETTERS = {"forward": "F", "recompute": "R", "backward": "B"}
-LOWER = ("recv-wait", "send-wait", "send", "status")
+LOWER = (*COMMUNICATION, "status")
 
 
 def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str = "") -> dict[str, Any]:
@@ -37,8 +36,8 @@ def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str =
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("drawing a pipeline timeline needs matplotlib: pip install matplotlib") from e
+    except ImportError as missing:  # pragma: no cover - depends on the environment
+        raise ImportError("drawing a pipeline timeline needs matplotlib: pip install matplotlib") from missing
 
     stats = breakdown(events)
     origin = min(e.start_ns for e in events)

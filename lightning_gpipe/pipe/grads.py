@@ -84,7 +84,9 @@ def _unpack(params: Sequence[nn.Parameter], buffer: torch.Tensor) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad.copy_(buffer[offset : offset + n].view(p.shape))
+        grad = p.grad
+        assert grad is not None, "packed, so it has a gradient"
+        grad.copy_(buffer[offset : offset + n].view(p.shape))
         offset += n
 
 

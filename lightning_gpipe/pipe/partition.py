@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_gpipe.pipe.microbatch import detached
+
 Balance = Union[Sequence[int], Literal["parameters", "time"], Callable[[int, nn.Module], float]]  # noqa: UP007
 
 _ACCEPTED = "a sequence of K layer counts, 'parameters', 'time', or a callable (index, layer) -> cost"
@@ -121,10 +123,6 @@ def _as_input(x: Any) -> Any:
     return x.clone()
 
 
-def _detach(x: Any) -> Any:
-    return x.detach() if isinstance(x, torch.Tensor) else x
-
-
 def _home(layer: nn.Module) -> torch.device | None:
     first = next(iter([*layer.parameters(), *layer.buffers()]), None)
     return None if first is None else first.device
@@ -186,7 +184,7 @@ def costs_by_time(
                     if run >= warmup:
                         times.append(time.perf_counter() - start)
                 costs.append(statistics.median(times))
-                x = tree_map(_detach, out)
+                x = detached(out)
                 # The gradients are a by-product; dropping them keeps peak memory at one layer's worth.
                 for p in layer.parameters():
                     p.grad = None
@@ -220,7 +218,7 @@ def resolve_balance(module: nn.Sequential, K: int, balance: Balance, *, sample: 
         raise ValueError(f"unknown balance {balance!r}; accepted values: {_ACCEPTED}")
     if callable(balance):
         return solve(costs_by_function(module, balance), K)
-    if isinstance(balance, Sequence):
+    if isinstance(balance, Sequence) and not isinstance(balance, str):  # str was handled above; this tells mypy
         return validate_balance(balance, L, K)
     raise TypeError(f"balance must be {_ACCEPTED}; got {type(balance).__name__}")
 
@@ -231,7 +229,7 @@ def stage_layers(module: nn.Sequential, balance: Sequence[int], k: int) -> list[
     if not 0 <= k < len(counts):
         raise IndexError(f"stage {k} does not exist: there are {len(counts)} stages, numbered 0 to {len(counts) - 1}")
     start = sum(counts[:k])
-    return list(module._modules.items())[start : start + counts[k]]  # type: ignore[return-value]
+    return list(module._modules.items())[start : start + counts[k]]
 
 
 def shared_parameters(module: nn.Sequential, balance: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:

@@ -15,7 +15,7 @@ from lightning_gpipe.pipe.transport import TensorMeta
 class MicroBatch:
     input: Any  # the stage boundary: a structure of leaves, the only thing a checkpointed micro-batch keeps
     output: Any  # the graph-carrying output; None for a checkpointed micro-batch once it was sent
-    state: ForwardState | None  # RNG and autocast state to replay; None when not checkpointed
+    state: ForwardState | None  # the autocast state to replay; None when not checkpointed
     marks: list[bool]  # which output tensors the next stage differentiates (and sends a gradient for)
     metas: list[TensorMeta] = field(default_factory=list)
     buffers: dict[str, torch.Tensor] | None = None  # checkpointed: what the recompute restores (see buffers.py)
@@ -47,3 +47,11 @@ class Placeholder:
 
 OutputMode = Literal["last", "all", "placeholder"]
 OUTPUT_MODES: tuple[OutputMode, ...] = get_args(OutputMode)
+
+
+def validate_output_mode(mode: str, argument: str) -> OutputMode:
+    """``mode`` as an OutputMode, or a ValueError naming the ``argument`` that gave it."""
+    for valid in OUTPUT_MODES:
+        if mode == valid:
+            return valid
+    raise ValueError(f"{argument}={mode!r} is not one of {list(OUTPUT_MODES)}")

@@ -1,4 +1,4 @@
-"""Re-materialization state: RNG and autocast captured at forward, replayed at recompute, and the recompute flag."""
+"""Re-materialization state: autocast captured at forward, replayed at recompute, and the recompute flag."""
 
 from __future__ import annotations
 
@@ -40,29 +40,29 @@ def recomputing() -> Iterator[None]:
 
 @dataclass
 class ForwardState:
-    """What a recompute must restore so that it repeats the forward bit for bit."""
+    """What a recompute must restore so that it repeats the forward bit for bit: the autocast state.
 
-    cpu_rng: torch.Tensor
-    cuda_rng: dict[int, torch.Tensor]
+    The layers' randomness needs nothing saved: the stage reseeds each layer from (step seed, micro-batch, its name)
+    before it runs, in the forward and in the recompute alike (see ``rng``).
+    """
+
+    cuda_devices: list[int]  # the CUDA generators that reseeding during the recompute must leave as it found them
     autocast: dict[str, tuple[bool, torch.dtype]]
 
     @classmethod
     def capture(cls, devices: list[torch.device]) -> ForwardState:
-        cuda_rng = {d.index: torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda" and d.index is not None}
+        cuda_devices = [d.index for d in devices if d.type == "cuda" and d.index is not None]
         autocast = {
             t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
             for t in ("cpu", "cuda")
             if t == "cpu" or torch.cuda.is_available()
         }
-        return cls(torch.get_rng_state(), cuda_rng, autocast)
+        return cls(cuda_devices, autocast)
 
     @contextlib.contextmanager
     def restore(self) -> Iterator[None]:
-        """Run the block with the captured RNG and autocast state; the caller's RNG streams are left untouched."""
-        with torch.random.fork_rng(devices=list(self.cuda_rng), enabled=True), contextlib.ExitStack() as stack:
-            torch.set_rng_state(self.cpu_rng)
-            for index, state in self.cuda_rng.items():
-                torch.cuda.set_rng_state(state, index)
+        """Run the block with the captured autocast state; the caller's RNG streams are left untouched."""
+        with torch.random.fork_rng(devices=self.cuda_devices), contextlib.ExitStack() as stack:
             for device_type, (enabled, dtype) in self.autocast.items():
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
             yield

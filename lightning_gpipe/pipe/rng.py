@@ -35,15 +35,19 @@ def draw_step_seed() -> int:
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
 
 
+def _cuda_generators(device: torch.device) -> list[int]:
+    """The CUDA generators a stage on ``device`` draws from besides the CPU's: its device's (none on the CPU)."""
+    return [device.index if device.index is not None else 0] if device.type == "cuda" else []
+
+
 def reseed(seed: int, device: torch.device) -> None:
     torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index if device.index is not None else 0].manual_seed(seed)
+    for index in _cuda_generators(device):
+        torch.cuda.default_generators[index].manual_seed(seed)
 
 
 @contextmanager
 def restored_streams(device: torch.device) -> Iterator[None]:
     """The global CPU (and the stage's CUDA device's) generator as it was before the block."""
-    devices = [device.index if device.index is not None else 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=_cuda_generators(device)):
         yield

@@ -1,4 +1,4 @@
-"""The GPipe fill/drain order of one mini-batch on each stage, and which micro-batches are re-materialized.
+"""The GPipe schedule: each stage's phases of one mini-batch, run in the fill/drain order drawn here.
 
 K = 3 stages, M = 4 micro-batches, ``checkpoint="except_last"``; F m = forward of micro-batch m, R m = its
 recompute, B m = its backward, L = the user's loss; time runs to the right, one column per unit of work:

@@ -17,7 +17,7 @@ from lightning_gpipe.pipe.failures import FailureHandler
 from lightning_gpipe.pipe.indexing import LayerIndex, RemoteLayer
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, stage_layers
-from lightning_gpipe.pipe.records import OUTPUT_MODES, OutputMode, Step
+from lightning_gpipe.pipe.records import OutputMode, Step, validate_output_mode
 from lightning_gpipe.pipe.rng import mix, name_key, reseed
 from lightning_gpipe.pipe.schedule import Checkpoint, Schedule, validate_checkpoint
 from lightning_gpipe.pipe.status import StatusCheck
@@ -77,8 +77,7 @@ class GPipeStage(nn.Module):
             raise TypeError(f"a pipeline is built from an nn.Sequential, got {type(module).__name__}")
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks (M, the number of micro-batches) must be an int ≥ 1, got {chunks!r}")
-        if output not in OUTPUT_MODES:
-            raise ValueError(f"output={output!r} is not one of {list(OUTPUT_MODES)}")
+        output = validate_output_mode(output, "output")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim must be an int ≥ 0 (0: batch-first, 1: time-major), got {batch_dim!r}")
         groups = _process_groups(group, header_group)
@@ -174,9 +173,7 @@ class GPipeStage(nn.Module):
 
     @output_mode.setter
     def output_mode(self, mode: OutputMode) -> None:
-        if mode not in OUTPUT_MODES:
-            raise ValueError(f"output_mode={mode!r} is not one of {list(OUTPUT_MODES)}")
-        self._output_mode = mode
+        self._output_mode = validate_output_mode(mode, "output_mode")
 
     @property
     def chunks(self) -> int:

@@ -10,9 +10,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-# Event kinds a stage records; "step" spans one whole forward or backward phase, "status" is the check at its end
-# that every stage finished it (a small collective, so mostly waiting for the slowest stage).
-ENGINE_KINDS = ("forward", "recompute", "backward", "send", "recv-wait", "send-wait", "step", "status")
+# Event kinds a stage records: its compute, its communication ("send" queues a message, "recv-wait" waits for one),
+# "step" spans one whole forward or backward phase, "status" is the check at its end that every stage finished it
+# (a small collective, so mostly waiting for the slowest stage).
+COMPUTE = ("forward", "recompute", "backward")
+COMMUNICATION = ("recv-wait", "send")
+ENGINE_KINDS = (*COMPUTE, *COMMUNICATION, "step", "status")
 # The Lightning strategy adds "loss" (from the end of the forward phase to the start of the backward phase: the
 # user's loss, and on the last stage its backward), "reduce" (gradient reductions over replicas and tied weights)
 # and "update" (clipping and the optimizer step).
@@ -90,7 +93,7 @@ def to_chrome_trace(events: Sequence[Event], metadata: dict | None = None) -> di
                 "ph": "X",
                 "pid": e.stage,
                 # Communication on its own row keeps the compute row readable.
-                "tid": 1 if e.kind in ("send", "recv-wait", "send-wait") else 0,
+                "tid": 1 if e.kind in COMMUNICATION else 0,
                 "ts": (e.start_ns - origin) / 1e3,
                 "dur": (e.end_ns - e.start_ns) / 1e3,
                 "args": {"micro_batch": e.micro_batch, "label": e.label},

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_gpipe.pipe.trace import Event
+from lightning_gpipe.pipe.trace import COMPUTE, KINDS, Event
 
-COMPUTE = ("forward", "recompute", "backward")
 # Every kind a stage records except "step", which spans whole phases and so overlaps the others.
-PARTS = (*COMPUTE, "recv-wait", "send", "send-wait", "status", "loss", "reduce", "update")
+PARTS = tuple(kind for kind in KINDS if kind != "step")
 
 
 def theoretical_bubble(K: int, M: int) -> float:

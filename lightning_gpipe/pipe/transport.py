@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
+from lightning_gpipe.pipe.microbatch import differentiable
 
 HEADER_BYTES = 1024
 # How long a stage waits for a peer before raising PipelineTimeout, unless told otherwise (torch.distributed's default).
@@ -97,7 +98,7 @@ class PendingRecv:
         for work in self.works:
             tr._wait(work, self.what, self.src)
         for t, meta in zip(self.tensors, metas):
-            if meta.requires_grad and (t.is_floating_point() or t.is_complex()):
+            if meta.requires_grad and differentiable(t):
                 t.requires_grad_()
         tensors = self.tensors
         obj = tree_map(lambda x: tensors[x.i] if isinstance(x, _Slot) else x, header["skeleton"])
