@@ -10,8 +10,7 @@ import torch.distributed as dist
 
 from benchmarks.machine import Timing, pause_until_quiet, timed
 from lightning_gpipe.pipe import GPipeStage, gather_events, write_chrome_trace
-
-COMPUTE = ("forward", "recompute", "backward")
+from lightning_gpipe.pipe.trace import COMPUTE
 
 
 def trace_step(stage: GPipeStage, step: Callable[[], Any], timing: Timing, path: str) -> dict:
