@@ -182,12 +182,11 @@ class EpochSampler(DistributedSampler):
 class ImageClassificationData(LightningDataModule):
     """Image classification batches for the AmoebaNet example, identical on every stage of a pipeline.
 
-    GPipeStrategy compares the batches of a pipeline's stages (at each epoch's first step by default). Lightning's
-    ``seed_everything(workers=True)`` seeds loader workers from the *global* rank, and without it they seed from each
-    process's RNG, which stages consume differently; per-process augmentation would then differ. So training
-    augmentation here draws only on (seed, epoch, index), for every source: :class:`EpochSampler` (sharding over
-    data-parallel replicas only) brings the epoch, :class:`SeededTransform` seeds each item. Evaluation transforms
-    are deterministic.
+    GPipeStrategy compares the stages' batches. Lightning's ``seed_everything(workers=True)`` seeds loader workers
+    from the *global* rank, and without it they seed from each process's RNG, which stages consume differently;
+    per-process augmentation would then differ. So training augmentation here draws only on (seed, epoch, index),
+    for every source: :class:`EpochSampler` (sharding over data-parallel replicas only) brings the epoch,
+    :class:`SeededTransform` seeds each item. Evaluation transforms are deterministic.
 
     Augmentation: timm's ImageNet recipe for folder and datasets sources; for generated images a pad-and-crop
     plus flip, as timm's random-resized crop (down to 8% of the area) would often cut the object out at 32 px.

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks: each runs end to end in its smoke mode."""

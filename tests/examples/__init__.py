@@ -1,0 +1,1 @@
+"""Tests of the examples: their data, their LightningModules and every config."""

@@ -1,0 +1,1 @@
+"""Tests of the reference models: AmoebaNet-D, the Transformer and its decoding."""

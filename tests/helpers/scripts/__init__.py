@@ -1,0 +1,1 @@
+"""Entry points the tests start as processes (python -m tests.helpers.scripts.<name>)."""
