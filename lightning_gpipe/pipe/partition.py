@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_gpipe.pipe.microbatch import detached
 
-Balance = Union[Sequence[int], Literal["parameters", "time"], Callable[[int, nn.Module], float]]  # noqa: UP007
+Balance = Union[Sequence[int], Literal["parameters", "time", "flops"], Callable[[int, nn.Module], float]]  # noqa: UP007
 
-_ACCEPTED = "a sequence of K layer counts, 'parameters', 'time', or a callable (index, layer) -> cost"
+_ACCEPTED = "a sequence of K layer counts, 'parameters', 'time', 'flops', or a callable (index, layer) -> cost"
 
 
 def solve(costs: Sequence[float], K: int) -> list[int]:
@@ -101,7 +102,7 @@ def costs_by_parameters(module: nn.Sequential) -> list[float]:
             if nn.parameter.is_lazy(p):
                 raise ValueError(
                     f"layer {i} ({type(layer).__name__}) has uninitialized lazy parameters; run a forward pass first "
-                    "or use balance='time'"
+                    "or use balance='time' or 'flops'"
                 )
             total += p.numel()
         costs.append(float(total))
@@ -203,6 +204,47 @@ def costs_by_time(
     return costs
 
 
+def costs_by_flops(module: nn.Sequential, sample: Any) -> list[float]:
+    """c_i = layer i's forward FLOPs on ``sample`` fed through the preceding layers, plus the elements it outputs.
+
+    Counted by torch's ``FlopCounterMode`` (matmuls, convolutions, attention), so deterministic and independent of
+    the machine; only shapes matter, so a model on the meta device is counted without computing anything. Leaves
+    the module as it found it (buffers, RNG streams); backward is not run.
+    """
+    tensors = [*module.parameters(), *module.buffers()]
+    cuda = sorted({t.get_device() for t in tensors if t.device.type == "cuda"})
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    costs: list[float] = []
+    try:
+        # Dropout must not shift the caller's random streams; BatchNorm's running statistics are put back below.
+        # With grad, as in training (a layer may branch on it); each layer's graph is dropped after it.
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            x = sample
+            for i, layer in enumerate(module):
+                counter = FlopCounterMode(display=False)
+                inputs = tree_map(_as_input, x)
+                try:
+                    with counter:
+                        x = detached(layer(inputs))
+                except Exception as e:
+                    where = "on the meta device " if any(t.is_meta for t in tensors) else ""
+                    raise RuntimeError(
+                        f"balance='flops': layer {i} ({type(layer).__name__}) failed {where}while its FLOPs were "
+                        f"counted, with {type(e).__name__}: {e}; use balance='parameters', 'time' or layer counts"
+                    ) from e
+                # The elements it outputs: a layer without matmuls (an activation, a reshape) still costs time,
+                # roughly in proportion to what it writes, and a zero cost would let the solver put any number of
+                # them on any stage. Next to a matmul's FLOPs the term is negligible.
+                elements = sum(t.numel() for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
+                costs.append(float(counter.get_total_flops() + elements))
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+    return costs
+
+
 def resolve_balance(module: nn.Sequential, K: int, balance: Balance, *, sample: Any = None) -> list[int]:
     """Turns any Balance into K layer counts. Local only: the caller broadcasts the result so every rank agrees."""
     if not isinstance(module, nn.Sequential):
@@ -215,6 +257,10 @@ def resolve_balance(module: nn.Sequential, K: int, balance: Balance, *, sample: 
             if sample is None:
                 raise ValueError("balance='time' profiles each layer on a sample micro-batch; pass sample=...")
             return solve(costs_by_time(module, sample), K)
+        if balance == "flops":
+            if sample is None:
+                raise ValueError("balance='flops' counts each layer's FLOPs on a sample micro-batch; pass sample=...")
+            return solve(costs_by_flops(module, sample), K)
         raise ValueError(f"unknown balance {balance!r}; accepted values: {_ACCEPTED}")
     if callable(balance):
         return solve(costs_by_function(module, balance), K)

@@ -39,8 +39,9 @@ class GPipeStage(nn.Module):
     Args:
         module: the L layers; built alike on every rank (same seed), only this stage's layers are kept.
         chunks: M, micro-batches per mini-batch (fewer, with a warning, when the batch has fewer samples).
-        balance: layers per stage, or how to find them: ``"parameters"``, ``"time"`` (profiles ``sample``), or a
-            per-layer cost ``fn(i, layer) -> c_i``; solved exactly on stage 0 and broadcast.
+        balance: layers per stage, or how to find them: ``"parameters"``, ``"time"`` (profiles ``sample``),
+            ``"flops"`` (counts each layer's forward FLOPs on ``sample``), or a per-layer cost ``fn(i, layer) -> c_i``;
+            solved exactly on stage 0 and broadcast.
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"`` (see ``schedule``).
         batch_dim: the dimension that holds the samples in every tensor that is split or crosses a stage boundary:
             0, or 1 for time-major ``(T, N, ...)`` tensors (nn.GRU, nn.LSTM, nn.Transformer without batch_first).

@@ -9,11 +9,18 @@ from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
+from lightning_gpipe.strategy._balance import BALANCE_NAMES
 from lightning_gpipe.strategy._batch_check import CHECK_BATCHES
 
 
 def check_strategy_args(
-    chunks: Any, pipeline_parallel_size: Any, checkpoint: Any, output: Any, batch_dim: Any, check_batches: Any
+    chunks: Any,
+    pipeline_parallel_size: Any,
+    checkpoint: Any,
+    output: Any,
+    batch_dim: Any,
+    check_batches: Any,
+    balance: Any = "auto",
 ) -> None:
     """GPipeStrategy's own arguments, at construction."""
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
@@ -33,6 +40,12 @@ def check_strategy_args(
         raise ValueError(
             f"GPipeStrategy(check_batches={check_batches!r}): choose one of {list(CHECK_BATCHES)} (when the stages "
             "of a pipeline compare the batches they loaded: the first training step of each epoch, every one, or none)"
+        )
+    # Layer counts are checked against the backbone at setup, when its length and K are known.
+    if isinstance(balance, str) and balance not in BALANCE_NAMES:
+        raise ValueError(
+            f"GPipeStrategy(balance={balance!r}): choose one of {list(BALANCE_NAMES)}, a list of layer counts per "
+            "stage, or a cost function fn(index, layer) -> cost"
         )
 
 

@@ -15,16 +15,14 @@ from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.grads import BucketedAllReduce
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
+from lightning_gpipe.strategy._balance import StrategyBalance, log_partition, plan_balance, shown_costs
 from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
 from lightning_gpipe.strategy._mesh import PipelineMesh
 from lightning_gpipe.strategy._metric_groups import sync_metrics_over
 from lightning_gpipe.strategy._precision import fit_to_pipeline
 from lightning_gpipe.strategy._step_results import abort_on_error
-from lightning_gpipe.strategy._time_balance import agreed_time_balance
 from lightning_gpipe.strategy._trace import StepTracer
 from lightning_gpipe.strategy._weight_copies import WeightCopies
-
-Balance = list[int] | Literal["parameters", "time"] | Callable[[int, nn.Module], float]
 
 
 @dataclass(frozen=True)
@@ -32,11 +30,17 @@ class StageOptions:
     """GPipeStrategy's arguments that shape the stage."""
 
     chunks: int
-    balance: Balance
+    balance: StrategyBalance
     checkpoint: Checkpoint
     batch_dim: int
     deferred_batch_norm: bool
     output: Literal["all", "placeholder"]
+
+    @classmethod
+    def of(cls, strategy: Any) -> StageOptions:
+        """GPipeStrategy's values of them."""
+        s = strategy
+        return cls(s.chunks, s.balance, s.checkpoint, s.batch_dim, s.deferred_batch_norm, s.output)
 
 
 class RankPipeline:
@@ -85,23 +89,24 @@ class RankPipeline:
         audit = BackboneAudit(module, backbone, path)
         on_meta = has_meta_tensors(module)
         whole = dict(module.named_modules()) if on_meta else {}
-        balance = options.balance
-        if balance == "time":
-            balance = agreed_time_balance(
-                module,
-                backbone,
-                K,
-                options.chunks,
-                device,
-                on_meta=on_meta,
-                rank=rank,
-                batch_dim=options.batch_dim,
-                broadcast=broadcast,
-            )
+        plan = plan_balance(
+            module,
+            backbone,
+            options.balance,
+            K,
+            options.chunks,
+            device,
+            on_meta=on_meta,
+            rank=rank,
+            batch_dim=options.batch_dim,
+            broadcast=broadcast,
+        )
+        # Taken from the whole backbone now, before the stage keeps only this rank's layers.
+        costs, layer_names = (shown_costs(plan, backbone), list(backbone._modules)) if rank == 0 else (None, [])
         stage = GPipeStage(
             backbone,
             chunks=options.chunks,
-            balance=balance,
+            balance=plan.balance,
             checkpoint=options.checkpoint,
             batch_dim=options.batch_dim,
             group=mesh.pp_group,
@@ -112,6 +117,8 @@ class RankPipeline:
             timeout=mesh.timeout_s,
         )
         audit.hand_over(stage, log=rank == 0)
+        if rank == 0:
+            log_partition(plan, costs, layer_names, stage.balance, path)
         step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
         if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
             seed = broadcast(torch.initial_seed())

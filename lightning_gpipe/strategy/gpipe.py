@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -34,6 +34,7 @@ from lightning_gpipe.strategy._arguments import (
     reject_closure_replaying_optimizers,
     reject_unsupported,
 )
+from lightning_gpipe.strategy._balance import StrategyBalance
 from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
 from lightning_gpipe.strategy._clean_exit import keep_at_exit
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
@@ -57,9 +58,10 @@ class GPipeStrategy(ParallelStrategy):
     heads) the output stays on the last stage: the others compute on zeros of its shape, and the step's returned values,
     everything it logged and the module's torchmetrics states are then copied from the last stage.
     ``trace_dir`` writes the training steps ``trace_steps`` (optimizer-step indices) as a Chrome trace and a Gantt
-    chart of every stage, with the measured bubble beside (K−1)/(M+K−1). ``balance="time"`` splits the backbone
-    by each layer's measured forward + backward time on one micro-batch of ``example_input_array`` (rank 0 times
-    it, layer by layer on its device; every rank gets the same split).
+    chart of every stage, with the measured bubble beside (K−1)/(M+K−1). ``balance="auto"`` (default) is "flops"
+    with an ``example_input_array``, else "parameters"; ``"flops"`` splits by each layer's forward FLOPs on one
+    micro-batch of it (on the meta device too), ``"time"`` by its forward + backward time there, measured on rank 0;
+    or give layer counts, or ``fn(i, layer) -> cost``. Every rank gets the same split, logged at setup.
     ``check_batches``: when the stages of a pipeline compare fingerprints of their batches (which must be the same;
     per-rank augmentation breaks that), an all-gather and a host sync each: ``"first"`` (default) training step of
     every epoch, where samplers and worker seeds are set up, ``"always"``, or ``"never"``; never in evaluation.
@@ -73,7 +75,7 @@ class GPipeStrategy(ParallelStrategy):
         chunks: int = 8,
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         backbone: str = "backbone",
-        balance: list[int] | Literal["parameters", "time"] | Callable[[int, nn.Module], float] = "parameters",
+        balance: StrategyBalance = "auto",
         checkpoint: Checkpoint = "except_last",
         batch_dim: int = 0,
         deferred_batch_norm: bool = True,
@@ -87,7 +89,7 @@ class GPipeStrategy(ParallelStrategy):
         check_batches: CheckBatches = "first",
     ) -> None:
         super().__init__()
-        check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim, check_batches)
+        check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim, check_batches, balance)
         self.trace_steps = check_trace_args(trace_dir, trace_steps)
         self.trace_dir = trace_dir
         self.chunks = chunks
@@ -208,9 +210,7 @@ class GPipeStrategy(ParallelStrategy):
             if isinstance(backbone, GPipeStage):  # pipelined by an earlier Trainer
                 self._pipeline = RankPipeline(backbone, mesh)
             else:
-                options = StageOptions(
-                    self.chunks, self.balance, self.checkpoint, self.batch_dim, self.deferred_batch_norm, self.output
-                )
+                options = StageOptions.of(self)
                 record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
                 self._pipeline = RankPipeline.build(
                     module, self.backbone, backbone, options, mesh, self.root_device, sync_bn, record, self.broadcast

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe.partition import (
+    costs_by_flops,
     costs_by_function,
     costs_by_parameters,
     costs_by_time,
@@ -130,6 +131,8 @@ def test_resolve_balance_errors() -> None:
         resolve_balance(seq, 2, "params")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"balance='time' profiles each layer on a sample micro-batch; pass sample="):
         resolve_balance(seq, 2, "time")
+    with pytest.raises(ValueError, match=r"balance='flops' counts each layer's FLOPs on a sample micro-batch; pass s"):
+        resolve_balance(seq, 2, "flops")
     with pytest.raises(TypeError, match=r"must be an nn.Sequential, got ModuleList"):
         resolve_balance(nn.ModuleList(seq), 2, "parameters")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"balance must be .*; got int"):
@@ -148,6 +151,13 @@ def test_resolve_balance_kinds() -> None:
     assert resolve_balance(seq, 3, lambda i, layer: 100.0 if i == 3 else 1.0) == [2, 1, 1]
     counts = resolve_balance(seq, 2, "time", sample=torch.randn(4, 10))
     assert sum(counts) == 4 and len(counts) == 2
+    # FLOPs 800, 0, 800, 80 (+ 40, 40, 40, 4 elements out): the last Linear joins the second one.
+    assert resolve_balance(seq, 2, "flops", sample=torch.randn(4, 10)) == [2, 2]
+    # Tied embedding and output layer: the table's parameters count at the embedding, its FLOPs at the output.
+    tied = nn.Sequential(nn.Embedding(1000, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1000, bias=False))
+    tied[3].weight = tied[0].weight
+    assert resolve_balance(tied, 2, "parameters") == [1, 3]
+    assert resolve_balance(tied, 2, "flops", sample=torch.arange(4)) == [3, 1]
 
 
 def test_costs_by_parameters_counts_shared_once() -> None:
@@ -256,6 +266,50 @@ def test_costs_by_time_nested_and_inplace() -> None:
 def test_costs_by_time_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"repeat=0"):
         costs_by_time(nn.Sequential(nn.ReLU()), torch.zeros(1), repeat=0)
+
+
+def linear_flops(n: int, layer: nn.Linear) -> int:
+    return 2 * n * layer.in_features * layer.out_features
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_costs_by_flops_counts_linears_and_convolutions_exactly(device: str) -> None:
+    """2·N·in·out per Linear, 2·out elements·in channels·kernel area per Conv2d, plus each layer's output elements;
+    a layer without matmuls costs only what it outputs. The same on the meta device, where nothing is computed."""
+    with torch.device(device):
+        seq = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 5 * 5, 16), nn.Linear(16, 4)
+        )
+        sample = torch.randn(6, 3, 5, 5)
+    conv = 2 * (6 * 8 * 5 * 5) * 3 * 3 * 3
+    expected = [conv + 1200, 1200, 1200, linear_flops(6, seq[3]) + 6 * 16, linear_flops(6, seq[4]) + 6 * 4]
+    assert costs_by_flops(seq, sample) == [float(c) for c in expected]
+
+
+def test_costs_by_flops_restores_state_and_keeps_the_sample() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), Fork(), Join())
+    x = torch.randn(4, 8)
+    before, rng, x_before = snapshot(seq), torch.get_rng_state(), x.clone()
+    costs = costs_by_flops(seq, x)
+    assert costs[1] == linear_flops(4, seq[1]) + 32 and costs[2] == costs[3] == 32.0 and len(costs) == 6
+    assert torch.equal(x, x_before)  # the in-place ReLU ran on a copy
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, snapshot(seq)[k]) for k, v in before.items())  # BatchNorm's running statistics too
+    assert all(p.grad is None for p in seq.parameters())
+
+
+class NeedsData(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[: int(x.sum().item()) % 2 + 1]  # a data-dependent shape: no data on the meta device
+
+
+def test_costs_by_flops_names_the_layer_that_fails() -> None:
+    with torch.device("meta"):
+        seq = nn.Sequential(nn.Linear(2, 2), NeedsData())
+        sample = torch.randn(3, 2)
+    with pytest.raises(RuntimeError, match=r"balance='flops': layer 1 \(NeedsData\) failed on the meta device while"):
+        costs_by_flops(seq, sample)
 
 
 def test_stage_layers_default_names() -> None:

@@ -25,6 +25,7 @@ from lightning_gpipe import GPipeStrategy
         ({"trace_steps": []}, "give one or more optimizer-step indices ≥ 0"),
         ({"check_batches": "sometimes"}, "choose one of ['first', 'always', 'never']"),
         ({"check_batches": True}, "choose one of ['first', 'always', 'never']"),
+        ({"balance": "params"}, "choose one of ['auto', 'flops', 'time', 'parameters'], a list of layer counts"),
     ],
     ids=lambda v: repr(v) if isinstance(v, dict) else None,
 )

@@ -1,7 +1,8 @@
-"""GPipeStrategy(balance="time"): layers timed on one micro-batch of example_input_array, one split for all ranks."""
+"""GPipeStrategy(balance="time" / "flops" / "auto"): costs from one micro-batch of example_input_array, one split."""
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 
@@ -13,8 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_gpipe.pipe.partition import costs_by_time
-from lightning_gpipe.strategy._time_balance import NO_EXAMPLE, backbone_input, time_balance
+from lightning_gpipe.pipe.partition import costs_by_time, solve
+from lightning_gpipe.strategy._balance import (
+    Plan,
+    backbone_input,
+    layer_costs,
+    log_partition,
+    no_example,
+    plan_balance,
+    shown_costs,
+)
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.models import Busy
 
@@ -123,7 +132,8 @@ def bad_example_worker(rank: int, world_size: int, example: torch.Tensor | None)
 @pytest.mark.timeout(120)
 def test_time_balance_without_an_example_input_fails_on_every_rank() -> None:
     assert (
-        run_distributed(bad_example_worker, 2, None, timeout=100, lightning=True) == [f"ValueError: {NO_EXAMPLE}"] * 2
+        run_distributed(bad_example_worker, 2, None, timeout=100, lightning=True)
+        == [f"ValueError: {no_example('time')}"] * 2
     )
 
 
@@ -154,7 +164,7 @@ def test_time_balance_isolates_the_costly_layer_and_profiles_one_micro_batch() -
     module = Timed()
     seen: list[int] = []
     module.backbone[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
-    assert time_balance(module, module.backbone, 2, 4, torch.device("cpu")) == [2, 4]
+    assert solve(layer_costs(module, module.backbone, "time", 4, torch.device("cpu")), 2) == [2, 4]
     assert set(seen) == {BATCH // 4}
 
 
@@ -189,5 +199,153 @@ def test_time_balance_splits_a_time_major_input_along_its_batch_dimension() -> N
     module = TimeMajor()
     seen: list[tuple[int, ...]] = []
     module.backbone[0].register_forward_pre_hook(lambda _, args: seen.append(tuple(args[0].shape)))
-    time_balance(module, module.backbone, 2, 4, torch.device("cpu"), batch_dim=1)
+    layer_costs(module, module.backbone, "time", 4, torch.device("cpu"), batch_dim=1)
     assert set(seen) == {(3, BATCH // 4, D)}, seen
+
+
+SPREAD = 32
+
+
+class Spread(nn.Module):
+    """(N, D) → (N, 32, D): no parameters, but the Linear after it does 32 times the FLOPs of one on (N, D)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(1).repeat(1, SPREAD, 1)
+
+
+class Pool(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def uneven_backbone() -> nn.Sequential:
+    """The exact split at K=2 is [3, 4] by parameters (Spread and Pool have none) and [5, 2] by FLOPs."""
+    torch.manual_seed(11)
+    return nn.Sequential(*[nn.Linear(D, D) for _ in range(4)], Spread(), nn.Linear(D, D), Pool())
+
+
+class Uneven(pl.LightningModule):
+    def __init__(self, example: bool = True) -> None:
+        super().__init__()
+        self.backbone = uneven_backbone()
+        if example:
+            self.example_input_array = torch.randn(BATCH, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def uneven_reference() -> dict[str, torch.Tensor]:
+    net = uneven_backbone()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    x_all, y_all = dataset().tensors
+    order = torch.tensor(list(DistributedSampler(dataset(), num_replicas=1, rank=0, seed=0)))  # as Lightning's
+    for step in range(STEPS):
+        opt.zero_grad()
+        batch = order[step * BATCH : (step + 1) * BATCH]
+        F.mse_loss(net(x_all[batch]), y_all[batch]).backward()
+        opt.step()
+    return {f"backbone.{k}": v.detach().clone() for k, v in net.named_parameters()}
+
+
+def uneven_fit_worker(rank: int, world_size: int, balance: str, example: bool) -> dict[str, object]:
+    from lightning_gpipe import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch.strategies.gpipe").addHandler(handler)
+    module = Uneven(example)
+    strategy = GPipeStrategy(chunks=4, pipeline_parallel_size=2, balance=balance)
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS)
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    expected = uneven_reference()
+    err = max(((p - expected[n]).abs().max() / expected[n].abs().max()).item() for n, p in module.named_parameters())
+    return {"balance": strategy.stage.balance, "err": err, "log": messages}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("balance", "example", "split", "said"),
+    [
+        ("flops", True, [5, 2], "by forward FLOPs on one micro-batch of example_input_array;"),
+        ("auto", True, [5, 2], "(balance='auto' chose 'flops': the LightningModule has an example_input_array)"),
+        ("auto", False, [3, 4], "(balance='auto' chose 'parameters': the LightningModule has no example_input_array"),
+    ],
+)
+def test_flops_and_auto_split_alike_on_every_rank_log_it_and_train_exactly(
+    balance: str, example: bool, split: list[int], said: str
+) -> None:
+    """Either split trains as the plain model does; only rank 0 logs the partition."""
+    results = run_distributed(uneven_fit_worker, 2, balance, example, timeout=180, lightning=True)
+    assert [r["balance"] for r in results] == [split] * 2, results
+    assert all(r["err"] <= 1e-6 for r in results), results
+    header, *stages = [m for m in results[0]["log"] if "split into" in m or " → layer" in m]
+    assert said in header and len(stages) == 2, results[0]["log"]
+    assert stages[1].startswith(f"GPipeStrategy: stage 1 → layers {split[0]}–6 ("), stages
+    assert not [m for m in results[1]["log"] if "split into" in m or " → layer" in m], results[1]["log"]
+
+
+def plan(module: nn.Module, balance: object, on_meta: bool = False):  # type: ignore[no-untyped-def]
+    return plan_balance(
+        module, module.backbone, balance, 2, 4, torch.device("cpu"),  # type: ignore[arg-type]
+        on_meta=on_meta, rank=0, batch_dim=0, broadcast=lambda obj: obj,
+    )  # fmt: skip
+
+
+def log_lines(caplog: pytest.LogCaptureFixture, module: nn.Module, chosen: Plan, counts: list[int]) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.strategies.gpipe"):
+        log_partition(chosen, shown_costs(chosen, module.backbone), list(module.backbone._modules), counts, "backbone")
+    return caplog.messages
+
+
+def test_the_partition_is_logged_stage_by_stage_with_its_cost(caplog: pytest.LogCaptureFixture) -> None:
+    module = Uneven()
+    chosen = plan(module, "flops")
+    assert chosen.balance == [5, 2] and chosen.kind == "flops" and chosen.costs is not None
+    linear, out = 2 * (BATCH // 4) * D * D, (BATCH // 4) * D  # one micro-batch of 2 samples
+    assert chosen.costs[:5] == [linear + out] * 4 + [SPREAD * out]
+    first, second = sum(chosen.costs[:5]), sum(chosen.costs[5:])
+    assert log_lines(caplog, module, chosen, [5, 2]) == [
+        "GPipeStrategy: self.backbone split into 2 stages by forward FLOPs on one micro-batch of example_input_array; "
+        f"the costliest stage is {2 * second / (first + second):.2f}× the mean",
+        f"GPipeStrategy: stage 0 → layers 0–4 (0 … 4): {first:.4g} FLOPs, {100 * first / (first + second):.1f}%",
+        f"GPipeStrategy: stage 1 → layers 5–6 (5 … 6): {second:.4g} FLOPs, {100 * second / (first + second):.1f}%",
+    ]
+    # Explicit counts show the parameter count; a single layer is named alone.
+    lines = log_lines(caplog, module, plan(module, [6, 1]), [6, 1])
+    assert "by the given layer counts (cost shown: parameter count);" in lines[0]
+    assert lines[2] == "GPipeStrategy: stage 1 → layer 6 (6): 0 parameters, 0.0%"
+    lines = log_lines(caplog, module, plan(module, lambda i, layer: float(i)), [5, 2])
+    assert "by the given cost function;" in lines[0] and lines[2].endswith(": 11 cost, 52.4%")
+
+
+def test_flops_counts_a_model_built_on_the_meta_device_and_time_refuses_it() -> None:
+    with torch.device("meta"):
+        module = Uneven()
+    module.example_input_array = torch.randn(BATCH, D)  # on the CPU, as a user's would be
+    assert plan(module, "auto", on_meta=True).balance == [5, 2]
+    with pytest.raises(ValueError, match=r"the model is on the meta device \(configure_model\): use balance='flops'"):
+        plan(module, "time", on_meta=True)
+
+
+def test_auto_falls_back_to_parameters_when_counting_fails_and_flops_raises() -> None:
+    module = Uneven()
+    module.example_input_array = torch.randn(BATCH, D + 1)  # does not fit the first Linear
+    with pytest.warns(UserWarning, match=r"balance='auto'\): counting each backbone layer's FLOPs .* failed"):
+        chosen = plan(module, "auto")
+    assert chosen.balance == "parameters" and "fell back to 'parameters'" in chosen.note
+    with pytest.raises(RuntimeError, match=r"balance='flops': layer 0 \(Linear\) failed while its FLOPs were counted"):
+        plan(module, "flops")
+    module.example_input_array = None
+    with pytest.raises(ValueError, match=r"GPipeStrategy\(balance='flops'\) counts each backbone layer's FLOPs"):
+        plan(module, "flops")

@@ -1,0 +1,226 @@
+"""GPipeStrategy's balance: "auto", "flops", "time" by one micro-batch of example_input_array; the split logged."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import nn
+
+from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split, split_by_sizes
+from lightning_gpipe.pipe.partition import (
+    Balance,
+    costs_by_flops,
+    costs_by_function,
+    costs_by_parameters,
+    costs_by_time,
+    solve,
+)
+from lightning_gpipe.strategy._audit import logger
+
+BALANCE_NAMES = ("auto", "flops", "time", "parameters")
+StrategyBalance = list[int] | Literal["auto", "flops", "time", "parameters"] | Callable[[int, nn.Module], float]
+
+_MEASURES = {
+    "flops": "forward FLOPs on one micro-batch of example_input_array",
+    "time": "forward + backward time on one micro-batch of example_input_array, measured on rank 0",
+    "parameters": "parameter count",
+    "explicit": "the given layer counts (cost shown: parameter count)",
+    "function": "the given cost function",
+}
+_UNITS = {"flops": "FLOPs", "time": "s", "parameters": "parameters", "explicit": "parameters", "function": "cost"}
+
+
+def no_example(kind: str) -> str:
+    what = "times each backbone layer" if kind == "time" else "counts each backbone layer's FLOPs"
+    return (
+        f"GPipeStrategy(balance={kind!r}) {what} on one micro-batch, which it takes from the "
+        "LightningModule's example_input_array: set self.example_input_array to an input of forward() with a "
+        "mini-batch's worth of samples, or use balance='parameters' or explicit layer counts"
+    )
+
+
+class _Reached(Exception):
+    """Raised by the hook on the backbone: forward() has produced the backbone's input, the rest is not needed."""
+
+
+def backbone_input(module: nn.Module, backbone: nn.Module, example: Any, kind: str = "time") -> Any:
+    """What ``backbone`` receives when ``module`` runs forward on ``example``; no state, stream or mode changes."""
+    captured: list[Any] = []
+
+    def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+        captured.append(args[0] if len(args) == 1 else args)
+        raise _Reached
+
+    modes = {m: m.training for m in module.modules()}
+    first = next(iter([*module.parameters(), *module.buffers()]), None)
+    device = first.device if first is not None else torch.device("cpu")
+    example = move_data_to_device(example, device)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    handle = backbone.register_forward_pre_hook(hook)
+    # eval and no_grad: the layers before the backbone (dropout, BatchNorm) must not draw random numbers or update
+    # running statistics; only the shapes of what they produce matter here.
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            module.eval()
+            try:
+                if isinstance(example, (list, tuple)):
+                    module(*example)
+                elif isinstance(example, dict):
+                    module(**example)
+                else:
+                    module(example)
+            except _Reached:
+                pass
+    finally:
+        handle.remove()
+        for m, training in modes.items():
+            m.training = training
+    if not captured:
+        raise ValueError(
+            f"GPipeStrategy(balance={kind!r}): {type(module).__name__}.forward(example_input_array) never called the "
+            "backbone; make forward() run it, or use balance='parameters' or explicit layer counts"
+        )
+    return captured[0]
+
+
+def layer_costs(
+    module: nn.Module, backbone: nn.Sequential, kind: str, chunks: int, device: torch.device, batch_dim: int = 0
+) -> list[float]:
+    """Each backbone layer's cost by ``kind`` ("time" or "flops") on the first of M micro-batches of the example."""
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        raise ValueError(no_example(kind))
+    x = backbone_input(module, backbone, example, kind)
+    if kind == "time":
+        return costs_by_time(backbone, split(x, chunks, batch_dim=batch_dim)[0], device=device)
+    # No warning for an example of fewer than `chunks` samples: FLOPs grow with the samples alike on every layer.
+    sizes = micro_batch_sizes(batch_size(x, batch_dim), chunks)
+    return costs_by_flops(backbone, split_by_sizes(x, sizes, batch_dim)[0])
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
+def agreed_costs(
+    module: nn.Module,
+    backbone: nn.Sequential,
+    kind: str,
+    chunks: int,
+    device: torch.device,
+    *,
+    rank: int,
+    batch_dim: int,
+    broadcast: Callable[[Any], Any],
+) -> tuple[list[float] | None, BaseException | None]:
+    """:func:`layer_costs` on global rank 0 only, broadcast to every rank with the error it raised, if any (timings
+    differ per process, and every replica of a stage must hold the same layers)."""
+    result: list[Any] = [None, None]
+    if rank == 0:
+        try:
+            result[0] = layer_costs(module, backbone, kind, chunks, device, batch_dim)
+        except Exception as e:  # any error in the user's forward: the other ranks wait in the broadcast below
+            result[1] = e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")
+    costs, error = broadcast(result)
+    return costs, error
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the backbone is split: what GPipeStage gets, and what the setup log says about it."""
+
+    balance: Balance  # layer counts, or "parameters" / a cost function for the engine to solve
+    kind: str  # a key of _MEASURES
+    costs: list[float] | None = None  # per layer, when measured here
+    note: str = ""  # what balance="auto" chose, and why
+
+
+def plan_balance(
+    module: nn.Module,
+    backbone: nn.Sequential,
+    balance: StrategyBalance,
+    K: int,
+    chunks: int,
+    device: torch.device,
+    *,
+    on_meta: bool,
+    rank: int,
+    batch_dim: int,
+    broadcast: Callable[[Any], Any],
+) -> Plan:
+    """The same :class:`Plan` on every rank (collective for "auto", "flops" and "time")."""
+    if isinstance(balance, str) and balance in ("auto", "flops", "time"):
+        kind = "flops" if balance == "auto" else balance
+        if balance == "auto" and getattr(module, "example_input_array", None) is None:
+            note = "balance='auto' chose 'parameters': the LightningModule has no example_input_array to count FLOPs on"
+            return Plan("parameters", "parameters", note=note)
+        if kind == "time" and on_meta:
+            raise ValueError(
+                "GPipeStrategy(balance='time') profiles the layers, but the model is on the meta device "
+                "(configure_model): use balance='flops', 'parameters' or explicit layer counts"
+            )
+        if getattr(module, "example_input_array", None) is None:
+            raise ValueError(no_example(kind))
+        costs, error = agreed_costs(
+            module, backbone, kind, chunks, device, rank=rank, batch_dim=batch_dim, broadcast=broadcast
+        )
+        if error is None and costs is not None:
+            # Solved on every rank from the same costs: an error here (K > L) is raised alike everywhere.
+            note = "balance='auto' chose 'flops': the LightningModule has an example_input_array" * (balance == "auto")
+            return Plan(solve(costs, K), kind, costs, note)
+        if balance != "auto":
+            raise error if error is not None else RuntimeError("no layer costs were measured")
+        if rank == 0:
+            warnings.warn(
+                f"GPipeStrategy(balance='auto'): counting each backbone layer's FLOPs on example_input_array failed "
+                f"({type(error).__name__}: {error}); splitting by parameter count instead. Pass balance='flops' to "
+                "raise the error, or 'parameters' or explicit layer counts to silence this",
+                stacklevel=2,
+            )
+        return Plan("parameters", "parameters", note="balance='auto' fell back to 'parameters': counting FLOPs failed")
+    if balance == "parameters":
+        return Plan("parameters", "parameters")
+    if isinstance(balance, str):
+        raise ValueError(f"GPipeStrategy(balance={balance!r}): choose one of {list(BALANCE_NAMES)}, or layer counts")
+    return Plan(balance, "function" if callable(balance) else "explicit")
+
+
+def shown_costs(plan: Plan, backbone: nn.Sequential) -> list[float] | None:
+    """The per-layer costs the log shows; None when they cannot be had (the log must never fail the setup)."""
+    if plan.costs is not None:
+        return plan.costs
+    try:
+        if plan.kind == "function":
+            assert callable(plan.balance) and not isinstance(plan.balance, str)
+            return costs_by_function(backbone, plan.balance)
+        return costs_by_parameters(backbone)
+    except Exception:
+        return None
+
+
+def log_partition(plan: Plan, costs: list[float] | None, names: list[str], counts: list[int], path: str) -> None:
+    """One line for the split (what the cost was, the worst stage against the mean), then one per stage."""
+    bounds = [sum(counts[:k]) for k in range(len(counts) + 1)]
+    stages = [sum(costs[a:b]) if costs is not None else float("nan") for a, b in itertools.pairwise(bounds)]
+    total = sum(stages)
+    ratio = max(stages) / (total / len(stages)) if costs is not None and total > 0 else float("nan")
+    note = f" ({plan.note})" if plan.note else ""
+    logger.info(
+        f"GPipeStrategy: self.{path} split into {len(counts)} stages by {_MEASURES[plan.kind]}{note}; "
+        f"the costliest stage is {ratio:.2f}× the mean"
+    )
+    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+        layers = f"layer {a} ({names[a]})" if b - a == 1 else f"layers {a}–{b - 1} ({names[a]} … {names[b - 1]})"
+        share = 100 * stages[k] / total if total > 0 else float("nan")
+        logger.info(f"GPipeStrategy: stage {k} → {layers}: {stages[k]:.4g} {_UNITS[plan.kind]}, {share:.1f}%")
