@@ -31,7 +31,8 @@ class ImageClassifier(pl.LightningModule):
     The backbone is built in ``configure_model``: under GPipeStrategy on the meta device, so each rank allocates only
     its own stage. ``pretrained`` fine-tunes from another run's checkpoint (the paper's transfer learning): every
     weight but the classifier's is loaded, the classifier (sized ``num_classes``) starts newly initialized, and
-    optimizer and schedule start afresh. Resuming (``ckpt_path=``) takes precedence over it.
+    optimizer and schedule start afresh. Resuming (``ckpt_path=``) takes precedence over it. ``batch_shape`` gives it
+    an ``example_input_array``, so that GPipeStrategy's default ``balance="auto"`` splits the backbone by FLOPs.
 
     Args:
         num_classes: classes of the data (and of the classifier).
@@ -47,6 +48,7 @@ class ImageClassifier(pl.LightningModule):
         lr_decay, lr_decay_epochs, lr_schedule: multiply the LR by ``lr_decay`` every ``lr_decay_epochs`` epochs,
             smoothly (``"exponential"``) or in stairs (``"step"``); ``"constant"`` keeps it.
         pretrained: a checkpoint (``.ckpt`` file or sharded folder) of an ImageClassifier with the same L and D.
+        batch_shape: (N, 3, H, W) of a training batch (the CLI links it to the data's); None: no example input.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class ImageClassifier(pl.LightningModule):
         lr_decay_epochs: float = 1.0,
         lr_schedule: DecaySchedule = "exponential",
         pretrained: str | None = None,
+        batch_shape: list[int] | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in ("rmsprop", "lars", "sgd"):
@@ -82,6 +85,8 @@ class ImageClassifier(pl.LightningModule):
         with torch.device("meta"):  # checks the architecture's arguments now, before any setup, allocating nothing
             amoebanet_d(num_classes, num_layers, num_filters, drop_path)
         self.backbone: nn.Sequential | None = None
+        if batch_shape is not None:  # only its shape matters: one zero expanded, no memory
+            self.example_input_array = torch.zeros(()).expand(*batch_shape)
         from torchmetrics.classification import MulticlassAccuracy
 
         self.top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")

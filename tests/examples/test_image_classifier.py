@@ -202,3 +202,11 @@ def test_learning_rate_schedules() -> None:
 def test_bad_arguments_are_named_at_construction(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ImageClassifier(**kwargs)
+
+
+def test_batch_shape_gives_an_example_input_that_holds_no_memory() -> None:
+    """The CLI links the data's batch shape: GPipeStrategy's balance="auto" then counts FLOPs on it."""
+    assert ImageClassifier(**TINY).example_input_array is None
+    example = ImageClassifier(**TINY, batch_shape=[64, 3, 32, 32]).example_input_array
+    assert isinstance(example, Tensor) and example.shape == (64, 3, 32, 32) and not example.any()
+    assert example.untyped_storage().nbytes() == example.element_size()  # one zero, expanded
