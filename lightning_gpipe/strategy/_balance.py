@@ -177,8 +177,8 @@ def plan_balance(
         )
         if error is None and costs is not None:
             # Solved on every rank from the same costs: an error here (K > L) is raised alike everywhere.
-            note = "balance='auto' chose 'flops': the LightningModule has an example_input_array" * (balance == "auto")
-            return Plan(solve(costs, K), kind, costs, note)
+            chose = "balance='auto' chose 'flops': the LightningModule has an example_input_array"
+            return Plan(solve(costs, K), kind, costs, chose if balance == "auto" else "")
         if balance != "auto":
             raise error if error is not None else RuntimeError("no layer costs were measured")
         if rank == 0:
@@ -211,16 +211,14 @@ def shown_costs(plan: Plan, backbone: nn.Sequential) -> list[float] | None:
 
 def log_partition(plan: Plan, costs: list[float] | None, names: list[str], counts: list[int], path: str) -> None:
     """One line for the split (what the cost was, the worst stage against the mean), then one per stage."""
-    bounds = [sum(counts[:k]) for k in range(len(counts) + 1)]
-    stages = [sum(costs[a:b]) if costs is not None else float("nan") for a, b in itertools.pairwise(bounds)]
-    total = sum(stages)
-    ratio = max(stages) / (total / len(stages)) if costs is not None and total > 0 else float("nan")
+    bounds = list(itertools.accumulate(counts, initial=0))
+    stages = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)] if costs is not None else None
+    total = sum(stages) if stages is not None else 0.0
     note = f" ({plan.note})" if plan.note else ""
-    logger.info(
-        f"GPipeStrategy: self.{path} split into {len(counts)} stages by {_MEASURES[plan.kind]}{note}; "
-        f"the costliest stage is {ratio:.2f}× the mean"
-    )
+    worst = f"; the costliest stage is {max(stages) * len(stages) / total:.2f}× the mean" if stages and total else ""
+    logger.info(f"GPipeStrategy: self.{path} split into {len(counts)} stages by {_MEASURES[plan.kind]}{note}{worst}")
     for k, (a, b) in enumerate(itertools.pairwise(bounds)):
         layers = f"layer {a} ({names[a]})" if b - a == 1 else f"layers {a}–{b - 1} ({names[a]} … {names[b - 1]})"
-        share = 100 * stages[k] / total if total > 0 else float("nan")
-        logger.info(f"GPipeStrategy: stage {k} → {layers}: {stages[k]:.4g} {_UNITS[plan.kind]}, {share:.1f}%")
+        cost = f": {stages[k]:.4g} {_UNITS[plan.kind]}" if stages is not None else ""
+        share = f", {100 * stages[k] / total:.1f}%" if stages is not None and total else ""
+        logger.info(f"GPipeStrategy: stage {k} → {layers}{cost}{share}")

@@ -327,6 +327,9 @@ def test_the_partition_is_logged_stage_by_stage_with_its_cost(caplog: pytest.Log
     assert lines[2] == "GPipeStrategy: stage 1 → layer 6 (6): 0 parameters, 0.0%"
     lines = log_lines(caplog, module, plan(module, lambda i, layer: float(i)), [5, 2])
     assert "by the given cost function;" in lines[0] and lines[2].endswith(": 11 cost, 52.4%")
+    # A cost function that fails when the log calls it again: the split is still logged, without costs.
+    lines = log_lines(caplog, module, plan(module, lambda i, layer: 1 / 0), [5, 2])
+    assert lines[0].endswith("by the given cost function") and lines[1] == "GPipeStrategy: stage 0 → layers 0–4 (0 … 4)"
 
 
 def test_flops_counts_a_model_built_on_the_meta_device_and_time_refuses_it() -> None:
