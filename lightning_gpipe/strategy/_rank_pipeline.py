@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
@@ -16,6 +16,7 @@ from lightning_gpipe.pipe.grads import BucketedAllReduce
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
 from lightning_gpipe.strategy._balance import StrategyBalance, log_partition, plan_balance, shown_costs
+from lightning_gpipe.strategy._loss_audit import check_loss
 from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
 from lightning_gpipe.strategy._mesh import PipelineMesh
 from lightning_gpipe.strategy._metric_groups import sync_metrics_over
@@ -138,11 +139,16 @@ class RankPipeline:
         self._dp_reduce = BucketedAllReduce(list(module.parameters()), mesh.dp_group, bucket_bytes)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
 
-    def backward(self, path: str, last_stage_backward: Callable[[], None], tracer: StepTracer, reduce: bool) -> None:
-        """The backward phase of a training step whose loss every stage computed; ``reduce`` the gradients then,
-        unless an accumulation window goes on (``path``: the backbone's, for the error)."""
+    def backward(
+        self, path: str, loss: Tensor, last_stage_backward: Callable[[], None], tracer: StepTracer, reduce: bool
+    ) -> None:
+        """The backward phase of a training step whose ``loss`` every stage computed; ``reduce`` the gradients then,
+        unless an accumulation window goes on (``path``: the backbone's, for the errors)."""
         stage = self.stage
         with abort_on_error(stage):
+            if self.mesh.K > 1:  # only the last stage back-propagates the loss: it must reach no layer directly
+                assert self.copies is not None, "connect() first"
+                check_loss(loss, stage, self.copies.replicated, path, stage.index)
             drain = stage.pending
             # A backbone called under no_grad (a frozen feature extractor) ran a forward-only pass: nothing to drain.
             if not drain and not stage.forward_only_calls:

@@ -286,8 +286,8 @@ class GPipeStrategy(ParallelStrategy):
         module, plugin = self.lightning_module, self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = plugin.pre_backward(closure_loss, module)
-        last_stage_backward = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)
-        self._rank_pipeline.backward(self.backbone, last_stage_backward, self._tracer, reduce=not self._sync_blocked)
+        backprop = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)  # on the last stage
+        self._rank_pipeline.backward(self.backbone, closure_loss, backprop, self._tracer, reduce=not self._sync_blocked)
         closure_loss = plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
