@@ -164,7 +164,10 @@ def test_time_balance_isolates_the_costly_layer_and_profiles_one_micro_batch() -
     module = Timed()
     seen: list[int] = []
     module.backbone[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
-    assert solve(layer_costs(module, module.backbone, "time", 4, torch.device("cpu")), 2) == [2, 4]
+    costs = layer_costs(module, module.backbone, "time", 4, torch.device("cpu"))
+    assert costs[1] > 3 * sum(c for i, c in enumerate(costs) if i != 1), costs  # Busy, ~100x a Linear(8, 8)
+    # The tiny layers around it cost next to nothing: a timing spike on a loaded machine may move layer 0 either way.
+    assert solve(costs, 2) in ([2, 4], [1, 5]), costs
     assert set(seen) == {BATCH // 4}
 
 
