@@ -68,6 +68,7 @@ def step_shares(events: list) -> dict[str, float]:
         "load_imbalance": b["load_imbalance"] * p_span / span,
         "bubble_of_pipeline": b["bubble"],
         "theoretical_bubble": b["theoretical_bubble"],
+        "efficiency": b["efficiency"],
     }
 
 
@@ -105,7 +106,7 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 def summarize(steps: list[dict]) -> dict[str, Any]:
     clean = [s for s in steps if s["clean"]]
     use = clean if len(clean) >= 3 else steps
-    keys = (*SHARES, "waiting", "span_ms", "bubble_of_pipeline")
+    keys = (*SHARES, "waiting", "span_ms", "bubble_of_pipeline", "efficiency")
     row = {key: statistics.median(s[key] for s in use) for key in keys}
     return {**row, "theoretical_bubble": steps[0]["theoretical_bubble"], "n": len(use), "clean": len(clean)}
 
@@ -118,6 +119,7 @@ COLUMNS: list[report.Column] = [
     *[(key, f"{key.replace('_', ' ')} %", ".1f") for key in SHARES],
     ("bubble_of_pipeline", "bubble % of pipeline", ".1f"),
     ("theoretical_bubble", "(K−1)/(M+K−1) %", ".1f"),
+    ("efficiency", "efficiency (ideal GPipe step / step)", ".2f"),
     ("n", "steps", ""),
     ("note", "note", ""),
 ]

@@ -66,6 +66,11 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
     :func:`transfer_ns`); the rest of ``recv-wait`` is waiting for a peer's compute. ``load imbalance`` is
     (max − mean) of the stages' compute time over the pipeline span; ``other`` is the part of the span covered by
     no event (the user's loss, Lightning's loop, idling after the stage's last work).
+
+    ``efficiency`` is the ideal GPipe step over the measured one: all the step's work (every stage's forward,
+    recompute, backward and update, and the loss once: the last stage's) spread evenly over the K stages and
+    stretched by GPipe's fill and drain, (M+K−1)/M, against ``span``. 1.0 means nothing but GPipe's own bubble;
+    work done twice (the loss on every stage) counts once, so duplicated work lowers it too.
     """
     if not events:
         raise ValueError("no events: was the timeline enabled during the step?")
@@ -94,6 +99,8 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
         }
     computes = [s["compute_ms"] for s in per_stage.values()]
     K = len(stages)
+    work_ms = sum(s["compute_ms"] + s["update_ms"] for s in per_stage.values()) + per_stage[stages[-1]]["loss_ms"]
+    ideal_ms = work_ms / K * (M + K - 1) / M if M else None
 
     def share(key: str) -> float:
         return sum(s[key] for s in per_stage.values()) / K / (span / 1e6)
@@ -106,6 +113,8 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
         "bubble": sum(s["bubble"] for s in per_stage.values()) / K,
         "theoretical_bubble": theoretical_bubble(K, M) if M else None,
         "load_imbalance": (max(computes) - sum(computes) / K) / (p_span / 1e6),
+        "ideal_step_ms": ideal_ms,
+        "efficiency": ideal_ms / (span / 1e6) if ideal_ms is not None else None,
         "shares": {
             **{kind: share(f"{kind}_ms") for kind in PARTS},
             "transfer": share("transfer_ms"),
@@ -120,8 +129,9 @@ def summary_line(stats: dict[str, Any]) -> str:
     shares = ", ".join(
         f"{kind} {100 * v:.0f}%" for kind, v in sorted(stats["shares"].items(), key=lambda kv: -kv[1]) if v >= 0.005
     )
-    theory = stats["theoretical_bubble"]
+    theory, efficiency = stats["theoretical_bubble"], stats.get("efficiency")
+    ideal = f", efficiency {efficiency:.2f} (ideal GPipe step / step)" if efficiency is not None else ""
     return (
         f"K={stats['K']}, M={stats['M']}: step {stats['span_ms']:.1f} ms, bubble {100 * stats['bubble']:.1f}% "
-        f"measured vs {100 * theory:.1f}% = (K−1)/(M+K−1); time per stage: {shares}"
+        f"measured vs {100 * theory:.1f}% = (K−1)/(M+K−1){ideal}; time per stage: {shares}"
     )

@@ -54,6 +54,28 @@ def test_an_ideal_schedule_has_gpipes_bubble(K: int, M: int, backward_cost: int)
     assert stats["load_imbalance"] == pytest.approx(0.0, abs=1e-12)
     shares = stats["shares"]
     assert shares["forward"] + shares["backward"] + shares["other"] == pytest.approx(1.0)
+    assert stats["efficiency"] == pytest.approx(1.0)  # nothing but GPipe's own bubble
+
+
+def test_efficiency_counts_the_loss_once_and_charges_a_slow_stage() -> None:
+    K, M = 2, 4
+    even = breakdown(ideal_gpipe(K, M))
+    assert even["ideal_step_ms"] == pytest.approx(2 * (M + K - 1))
+    # A loss of 2 units between the phases, run on every stage (as the whole-batch path does): the step grows by
+    # 2, the ideal by the last stage's 2 units spread over K stages and stretched by (M+K−1)/M.
+    turn = max(e.end_ns for e in ideal_gpipe(K, M) if e.kind == "forward")
+    shifted = [
+        e
+        if e.kind == "forward" or (e.kind == "step" and e.label == "forward")
+        else Event(e.kind, e.stage, e.micro_batch, e.start_ns + 2 * UNIT, e.end_ns + 2 * UNIT, e.label)
+        for e in ideal_gpipe(K, M)
+    ]
+    with_loss = breakdown([*shifted, *(Event("loss", k, -1, turn, turn + 2 * UNIT) for k in range(K))])
+    assert with_loss["span_ms"] == pytest.approx(even["span_ms"] + 2)
+    assert with_loss["ideal_step_ms"] == pytest.approx(even["ideal_step_ms"] + 2 / K * (M + K - 1) / M)
+    assert with_loss["efficiency"] < 1.0
+    slow = breakdown(ideal_gpipe(K, M, slow_stage=0))
+    assert slow["efficiency"] < 0.95
 
 
 def test_a_slow_stage_shows_as_load_imbalance_and_a_larger_bubble() -> None:
