@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BucketedAllReduce", "clip_grad_norm_", "global_grad_norm", "sum_over_pipeline"]
+__all__ = [
+    "BucketedAllReduce",
+    "OverlappedReduction",
+    "PendingReduction",
+    "clip_grad_norm_",
+    "global_grad_norm",
+    "sum_over_pipeline",
+]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -170,9 +178,15 @@ class BucketedAllReduce:
         return buffer
 
     def __call__(self) -> None:
+        self.start().wait()
+
+    def start(self) -> PendingReduction:
+        """Agree on the parameters taking part, pack every bucket and launch its all-reduce; ``wait()`` on the
+        result finishes the mean. Other collectives may run in between (on other groups: the gradients of these
+        parameters must not change meanwhile)."""
         world = _group_size(self.dp_group)
         if world == 1:
-            return
+            return PendingReduction(world, [])
         assert self.dp_group is not None
         active = used_somewhere(self.params, self.dp_group)
         if [(id(p), p.dtype, p.device) for p in active] != self._plan_keys:
@@ -182,11 +196,63 @@ class BucketedAllReduce:
             buffer = self._buffer(i)
             _pack(bucket, buffer)
             pending.append((bucket, buffer, dist.all_reduce(buffer, group=self.dp_group, async_op=True)))
+        return PendingReduction(world, pending)
+
+
+class PendingReduction:
+    """The launched all-reduces of :meth:`BucketedAllReduce.start`, finished by :meth:`wait`."""
+
+    def __init__(self, world: int, pending: list[tuple[list[nn.Parameter], torch.Tensor, Any]]) -> None:
+        self.world, self.pending = world, pending
+
+    def wait(self) -> None:
+        """Wait for each bucket's sum, divide it by the dp size and copy it back into the gradients (once)."""
+        pending, self.pending = self.pending, []
         for bucket, buffer, work in pending:
             work.wait()
             # Gloo has no AVG, so divide after the sum (exact for power-of-two dp sizes).
-            buffer.div_(world)
+            buffer.div_(self.world)
             _unpack(bucket, buffer)
+
+
+class OverlappedReduction:
+    """The dp mean of one stage's gradients, overlapped with the pipeline: the buckets of the stage's own parameters
+    are launched as soon as its drain ends, before the sums over the stages holding a copy (pipeline collectives that
+    wait for the slowest stage), which the buckets of the ``copied`` parameters must follow.
+
+    ``params`` are the rank's parameters, ``copied`` those of them with a copy on another stage (replicated outside
+    the backbone, tied across stages). The two sets are planned apart (each as :class:`BucketedAllReduce`), each in
+    the order of ``params``, so that every replica of a stage launches the same collectives in the same order: the
+    own flags and buckets, the caller's pipeline sums, the copied flags and buckets. Each element's mean is the same
+    as one reduction of all ``params`` gives: the same values summed over the same replicas (bit for bit with two
+    replicas, where a sum has one order; with more, a backend may sum an element in an order that depends on its
+    place in the bucket).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        copied: Sequence[nn.Parameter],
+        dp_group: dist.ProcessGroup | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        copied_ids = {id(p) for p in copied}
+        params = _unique(params)
+        self.own = BucketedAllReduce([p for p in params if id(p) not in copied_ids], dp_group, bucket_bytes)
+        self.copied = BucketedAllReduce([p for p in params if id(p) in copied_ids], dp_group, bucket_bytes)
+
+    @property
+    def num_buckets(self) -> int:
+        return self.own.num_buckets + self.copied.num_buckets
+
+    def __call__(self, sum_copies: Callable[[], None]) -> None:
+        """Launch the own buckets, run ``sum_copies`` (the pipeline sums of the copied gradients), launch the copied
+        buckets, then finish both."""
+        own = self.own.start()
+        sum_copies()
+        copied = self.copied.start()
+        own.wait()
+        copied.wait()
 
 
 def _norm_device(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> torch.device:

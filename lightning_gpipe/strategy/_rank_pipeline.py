@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
-from lightning_gpipe.pipe.grads import BucketedAllReduce
+from lightning_gpipe.pipe.grads import OverlappedReduction
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
 from lightning_gpipe.strategy._balance import StrategyBalance, log_partition, plan_balance, shown_costs
@@ -65,7 +65,7 @@ class RankPipeline:
         # only when the backbone was pipelined here.
         self.plain_parameter_names = plain_parameter_names
         self.copies: WeightCopies | None = None
-        self._dp_reduce: BucketedAllReduce | None = None
+        self._dp_reduce: OverlappedReduction | None = None
 
     @classmethod
     def build(
@@ -136,7 +136,9 @@ class RankPipeline:
             self.copies = WeightCopies(module, self.stage, mesh.K, mesh.rank, mesh.pp_group, mesh.dp_group)
             self.copies.broadcast_initial_state()
         sync_metrics_over(module, mesh.dp_group)
-        self._dp_reduce = BucketedAllReduce(list(module.parameters()), mesh.dp_group, bucket_bytes)
+        # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere.
+        params, copied = list(module.parameters()), self.copies.copied
+        self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
 
     def backward(
@@ -166,5 +168,4 @@ class RankPipeline:
         if reduce:
             assert self.copies is not None and self._dp_reduce is not None, "connect() first"
             with stage.timeline.record("reduce"):
-                self.copies.sum_gradients()
-                self._dp_reduce()
+                self._dp_reduce(self.copies.sum_gradients)

@@ -60,6 +60,12 @@ class WeightCopies:
         for group, params in self.tied:
             _broadcast([p.detach() for p in params], group)
 
+    @property
+    def copied(self) -> list[nn.Parameter]:
+        """This rank's parameters with a copy on another stage (replicated or tied): their gradients are complete only
+        after :meth:`sum_gradients`, a pipeline collective; the others' once this stage's drain ends."""
+        return [*self.replicated, *(p for _, params in self.tied for p in params)]
+
     def sum_gradients(self) -> None:
         """Each copy's gradient becomes the sum over the stages holding a copy: the gradient of the one weight."""
         sum_over_pipeline(self.replicated, self.pp_group)

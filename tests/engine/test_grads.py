@@ -11,7 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.grads import BucketedAllReduce, clip_grad_norm_, global_grad_norm, sum_over_pipeline
+from lightning_gpipe.pipe.grads import (
+    BucketedAllReduce,
+    OverlappedReduction,
+    clip_grad_norm_,
+    global_grad_norm,
+    sum_over_pipeline,
+)
 from tests.helpers.launch import run_distributed
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -315,3 +321,71 @@ def _mesh_check(rank: int, world_size: int) -> bool:
 @pytest.mark.timeout(60)
 def test_pipeline_and_data_parallel_mesh() -> None:
     assert all(run_distributed(_mesh_check, 4, timeout=45))
+
+
+# ---------------------------------------------------------------- overlapped reduction, 2 × 2 mesh
+
+
+def _overlap_check(rank: int, world_size: int) -> list[tuple[str, str]]:
+    """Today's order (pipeline sums, then one reduction of everything) against the overlapped one, on the same grads:
+    bit-identical results, and the own buckets launched before any pipeline collective."""
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, stage = divmod(rank, 2)
+    pp, dp = pp_groups[replica], dp_groups[stage]
+    grads = _stage_grads(stage, seed=10 * replica), _replica_grads(stage, 2, seed=10 * replica)
+    if stage == 0 and replica == 1:
+        grads[0][1] = None  # an own parameter without a gradient on one replica only: zeros there
+    # The replicated ones first, as module.parameters() lists an embedding before the backbone; then a head.
+    replicated_a, owned, replicated_b = (
+        params_like(EMBED_HEAD[:1]),
+        params_like(STAGES[stage]),
+        params_like(EMBED_HEAD[1:]),
+    )
+    replicated = replicated_a + replicated_b
+    params = replicated_a + owned + replicated_b
+
+    def assign() -> None:
+        _assign(owned, grads[0])
+        _assign(replicated, grads[1])
+
+    assign()
+    sum_over_pipeline(replicated, pp)
+    BucketedAllReduce(params, dp, bucket_bytes=96)()
+    want = [None if p.grad is None else p.grad.clone() for p in params]
+
+    log: list[tuple[str, str]] = []
+    launch = dist.all_reduce
+
+    def logged(tensor: torch.Tensor, *args: object, group: object = None, **kwargs: object) -> object:
+        kind = "flags" if tensor.dtype == torch.int32 else "bucket"
+        log.append(("dp" if group is dp else "pp" if group is pp else "other", kind))
+        return launch(tensor, *args, group=group, **kwargs)
+
+    reduction = OverlappedReduction(params, replicated, dp, bucket_bytes=96)
+    assert reduction.num_buckets >= 3
+    dist.all_reduce = logged
+    try:
+        for _ in range(2):  # the second time on the buffers and plans of the first
+            log.clear()
+            assign()
+            reduction(lambda: sum_over_pipeline(replicated, pp))
+    finally:
+        dist.all_reduce = launch
+    for p, w in zip(params, want):
+        assert (p.grad is None) == (w is None)
+        if w is not None:
+            assert torch.equal(p.grad, w), "bit-identical to pipeline sums, then one reduction"
+    assert stage == 0 or any(p.grad is None for p in owned), "the case of a grad None everywhere is exercised"
+    return log
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_reduction_launches_own_buckets_before_pipeline_sums() -> None:
+    logs = run_distributed(_overlap_check, 4, timeout=45)
+    for log in logs:
+        first_pp = log.index(("pp", "flags"))
+        assert ("dp", "bucket") in log[:first_pp], log  # the own parameters' mean does not wait for the pipeline
+        assert log[0] == ("dp", "flags") and ("dp", "bucket") in log[first_pp:], log
+    # Every replica of a stage issues the same collectives in the same order (a mismatch would deadlock).
+    assert logs[0] == logs[2] and logs[1] == logs[3]
