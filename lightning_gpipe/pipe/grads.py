@@ -246,9 +246,16 @@ class OverlappedReduction:
         return self.own.num_buckets + self.copied.num_buckets
 
     def __call__(self, sum_copies: Callable[[], None]) -> None:
-        """Launch the own buckets, run ``sum_copies`` (the pipeline sums of the copied gradients), launch the copied
-        buckets, then finish both."""
-        own = self.own.start()
+        """The whole reduction: :meth:`start`, then :meth:`finish`."""
+        self.finish(self.start(), sum_copies)
+
+    def start(self) -> PendingReduction:
+        """Launch the own parameters' buckets (their gradients must be complete: the stage's drain is over)."""
+        return self.own.start()
+
+    def finish(self, own: PendingReduction, sum_copies: Callable[[], None]) -> None:
+        """Run ``sum_copies`` (the pipeline sums of the copied gradients), launch the copied buckets, then finish
+        both; ``own`` is what :meth:`start` returned."""
         sum_copies()
         copied = self.copied.start()
         own.wait()

@@ -25,6 +25,7 @@ last one, whose backward comes first, so recomputing it would only delay the dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, get_args
 
 import torch
@@ -173,8 +174,11 @@ class Schedule:
                     self.links.check_status()
         return step, output
 
-    def backward(self, step: Step, grad_output: Any, output_mode: OutputMode) -> None:
-        """The backward phase: the micro-batches of ``step`` in reverse, each recomputed first if checkpointed."""
+    def backward(
+        self, step: Step, grad_output: Any, output_mode: OutputMode, drained: Callable[[], None] | None = None
+    ) -> None:
+        """The backward phase: the micro-batches of ``step`` in reverse, each recomputed first if checkpointed;
+        ``drained`` runs once this stage's gradients are complete, before the status check waits for the others."""
         links = self.links
         with self.failures.phase("backward", output_mode) as where:
             last_grads = output_grads(step, grad_output, self.batch_dim) if self.is_last else None
@@ -218,6 +222,8 @@ class Schedule:
             where[0] = None
             if self.is_first and step.input_leaves:
                 torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, self.batch_dim))
+            if drained is not None:
+                drained()
             if links is not None:
                 with self.timeline.record("status"):
                     links.check_status()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -259,18 +259,20 @@ class GPipeStage(nn.Module):
                 self._step = None  # a failed pipeline drains no forward phase
             raise
 
-    def backward(self, grad_output: Any = None) -> None:
+    def backward(self, grad_output: Any = None, drained: Callable[[], None] | None = None) -> None:
         """Backward phase: drain the micro-batches in reverse, recomputing checkpointed ones before their gradient.
 
         On the last stage the gradient of the joined output is taken from its leaves' ``.grad`` (filled by the
         caller's ``loss.backward()``), unless ``grad_output`` gives it. Stage 0 finally back-propagates into the
-        caller's input if it required grad.
+        caller's input if it required grad. ``drained`` then runs, before the check that every stage finished the
+        phase (which waits for the slowest): work that needs only this stage's gradients (their reduction over
+        data-parallel replicas) overlaps the other stages' drain.
         """
         self._failures.check_usable()
         step, self._step = self._step, None
         if step is None:
             raise RuntimeError("backward() was called without a forward phase to drain: call the module first")
-        self._schedule.backward(step, grad_output, self._output_mode)
+        self._schedule.backward(step, grad_output, self._output_mode, drained)
 
     def abort(self, exc: BaseException) -> None:
         """Report a failure outside the pipelined module (e.g. in the loss) to every stage, then raise it."""

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
-from lightning_gpipe.pipe.grads import OverlappedReduction
+from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
 from lightning_gpipe.strategy._balance import StrategyBalance, log_partition, plan_balance, shown_costs
@@ -163,9 +163,12 @@ class RankPipeline:
             if stage.is_last:
                 last_stage_backward()
             tracer.loss(stage)
+            dp_reduce, copies = self._dp_reduce, self.copies
+            assert dp_reduce is not None and copies is not None, "connect() first"
+            own: list[PendingReduction] = []
             if drain:
-                stage.backward()
+                # The own gradients' buckets leave before the drain's status check waits for the slowest stage.
+                stage.backward(drained=(lambda: own.append(dp_reduce.start())) if reduce else None)
         if reduce:
-            assert self.copies is not None and self._dp_reduce is not None, "connect() first"
             with stage.timeline.record("reduce"):
-                self._dp_reduce(self.copies.sum_gradients)
+                dp_reduce.finish(own[0] if own else dp_reduce.start(), copies.sum_gradients)

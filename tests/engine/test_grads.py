@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import traceback
 from collections.abc import Callable
 
@@ -389,3 +390,39 @@ def test_overlapped_reduction_launches_own_buckets_before_pipeline_sums() -> Non
         assert log[0] == ("dp", "flags") and ("dp", "bucket") in log[first_pp:], log
     # Every replica of a stage issues the same collectives in the same order (a mismatch would deadlock).
     assert logs[0] == logs[2] and logs[1] == logs[3]
+
+
+# ---------------------------------------------------------------- the drain's end, before the status check, pp = 2
+
+SLOW_S = 0.3
+
+
+def _drained_check(rank: int, world_size: int) -> dict[str, list[int]]:
+    """Stage 0 starts its drain late; each stage notes when its gradients are complete and when backward() returns."""
+    from lightning_gpipe.pipe import GPipeStage
+    from tests.helpers import models
+
+    torch.manual_seed(0)
+    stage = GPipeStage(models.mlp(), chunks=3, balance=[4, 4])
+    times: dict[str, list[int]] = {"drained": [], "returned": []}
+    for step in range(2):
+        x = torch.randn(6, models.D, generator=torch.Generator().manual_seed(step))
+        out = stage(x)
+        if stage.is_last:
+            out.pow(2).mean().backward()
+        else:
+            time.sleep(SLOW_S)  # a slow first stage
+        stage.backward(drained=lambda: times["drained"].append(time.perf_counter_ns()))
+        times["returned"].append(time.perf_counter_ns())
+        assert all(p.grad is not None for p in stage.parameters())
+    return times
+
+
+@pytest.mark.timeout(60)
+def test_drained_runs_before_the_status_check_waits_for_the_slowest_stage() -> None:
+    first, last = run_distributed(_drained_check, 2, timeout=45)
+    for step in range(2):
+        assert len(last["drained"]) == len(first["drained"]) == 2, "once per backward phase"
+        # The last stage's gradients are complete long before stage 0's drain ends; its backward() returns only after.
+        assert last["drained"][step] < first["drained"][step] - SLOW_S / 2 * 1e9
+        assert last["returned"][step] >= first["drained"][step]

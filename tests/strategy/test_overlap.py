@@ -28,11 +28,16 @@ def overlap_worker(rank: int, world_size: int) -> dict[str, Any]:
     launches: list[tuple[int, tuple[int, ...], str]] = []
     drain, launch = GPipeStage.backward, dist.all_reduce
 
-    def slow_drain(self: GPipeStage, *args: Any, **kwargs: Any) -> None:
-        drain(self, *args, **kwargs)
+    def slow_drain(self: GPipeStage, *args: Any, drained: Any = None, **kwargs: Any) -> None:
         if self.is_first:  # a slow first stage: the last one ends its drain well before
             time.sleep(SLOW_S)
-        drain_ends.append(time.perf_counter_ns())  # one clock for every process on this host
+
+        def timed() -> None:
+            drain_ends.append(time.perf_counter_ns())  # one clock for every process on this host
+            if drained is not None:
+                drained()
+
+        drain(self, *args, drained=timed, **kwargs)
 
     def logged(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
@@ -69,6 +74,6 @@ def test_last_stage_reduces_its_own_gradients_while_stage_0_drains() -> None:
     for last, first in ((1, 0), (3, 2)):  # the last stage of each replica, and that replica's stage 0
         for step in range(STEPS):
             launched, stage0_done = results[last]["first_bucket"][step], results[first]["drain_ends"][step]
-            # Waiting on the pipeline first (the pipeline sums of the replicated head and prefix) would launch it
-            # only after stage 0's drain.
+            # Waiting on the pipeline first (the drain's status check, the pipeline sums of the replicated head and
+            # prefix) would launch it only after stage 0's drain.
             assert launched < stage0_done - SLOW_S / 2 * 1e9, (step, (stage0_done - launched) / 1e9)
