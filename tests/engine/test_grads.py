@@ -394,7 +394,7 @@ def test_overlapped_reduction_launches_own_buckets_before_pipeline_sums() -> Non
 
 # ---------------------------------------------------------------- the drain's end, before the status check, pp = 2
 
-SLOW_S = 0.3
+SLOW_S = 0.6
 
 
 def _drained_check(rank: int, world_size: int) -> dict[str, list[int]]:

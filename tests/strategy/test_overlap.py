@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.tiny_fit import BATCH, STEPS, TOL, dataset, lightning_module, reference
 
-SLOW_S = 0.4  # stage 0's drain made this much longer than the last stage's
+SLOW_S = 1.0  # stage 0's drain made this much longer than the last stage's (a margin for a loaded machine)
 
 
 def overlap_worker(rank: int, world_size: int) -> dict[str, Any]:
