@@ -13,6 +13,7 @@ from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.pipe.stage import GPipeStage
 from lightning_gpipe.pipe.trace import Timeline, gather_events, read_chrome_trace, write_chrome_trace
 from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble
+from lightning_gpipe.pipe.train_step import ScheduleName
 
 __all__ = [
     "Balance",
@@ -21,6 +22,7 @@ __all__ = [
     "GPipeStage",
     "PipelineError",
     "PipelineTimeout",
+    "ScheduleName",
     "Timeline",
     "breakdown",
     "convert_deferred_batch_norm",

@@ -26,6 +26,7 @@ last one, whose backward comes first, so recomputing it would only delay the dra
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal, Protocol, get_args
 
 import torch
@@ -85,6 +86,17 @@ def backward_order(M: int) -> range:
     return range(M - 1, -1, -1)
 
 
+Pairs = list[tuple[torch.Tensor, Any]]
+# The last stage's roots of a micro-batch's backward: (tensor, its gradient or None for a scalar loss) pairs.
+Roots = Callable[[Any, list[bool]], Pairs]
+
+
+def _marked_pairs(y: Any, marks: list[bool], grads: list[torch.Tensor]) -> Pairs:
+    """The output tensors that the next stage differentiated, with the gradients it sent for them."""
+    marked = [t for t, mark in zip(tensors(y), marks) if mark]
+    return [(t, g) for t, g in zip(marked, grads) if t.requires_grad]
+
+
 class Schedule:
     """Runs stage ``index``'s part of each phase drawn above, given the parts of the stage it works with.
 
@@ -123,47 +135,31 @@ class Schedule:
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
 
-    def _peers(self) -> Links:
+    def peers(self) -> Links:
         assert self.links is not None, "a stage with a neighbour has links"
         return self.links
 
     def forward(self, input: Any, chunks: int, output_mode: OutputMode) -> tuple[Step, Any]:
         """The forward phase: every micro-batch through this stage, in order; returns the step and the output."""
         seed = draw_step_seed()  # outside the restored streams: the next step draws the next seed
-        batch_dim, stateful = self.batch_dim, self.stateful_buffers
+        batch_dim = self.batch_dim
         with self.failures.phase("forward", output_mode) as where, restored_streams(self.device):
             sizes = plan_sizes(input, chunks, batch_dim) if self.is_first else []
             micro_inputs, input_leaves = split_leaves(input, sizes, batch_dim) if self.is_first else ([], [])
             could_require = any(p.requires_grad for p in self.layers.parameters())
             step = Step([], input_leaves=input_leaves, seed=seed)
-            stateful.begin()
+            self.stateful_buffers.begin()
             m, M = 0, len(micro_inputs)
             while m < M or (m == 0 and not self.is_first):
                 where[0] = m
                 if self.is_first:
                     x, n = micro_inputs[m], sizes[m]
                 else:
-                    x, got = self._peers().receive(m, training=True)
+                    x, got = self.peers().receive(m, training=True)
                     M, n, step.seed = got["M"], got["n"], got["seed"]
                 if m == 0:
                     check_replicas_run_the_same_m(self.layers, M, self.device)
-                ckpt = is_checkpointed(self.checkpoint, m, M)
-                state = ForwardState.capture([self.device]) if ckpt else None
-                buffers, before = stateful.snapshot() if ckpt else None, stateful.mark()
-                with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
-                    y = self.run(x, mix(step.seed, m))
-                stateful.learn(before)
-                check_boundary(y, n, batch_dim, self.producer, self.is_last)
-                needs = could_require or any(t.requires_grad for t in tensors(x))
-                marks = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(y)]
-                mb = MicroBatch(x, y, state, marks, buffers=buffers)
-                step.sizes.append(n)
-                if not self.is_last:
-                    fields = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed}
-                    mb.metas = self._peers().send(self.index + 1, y, m, requires_grad=marks, **fields)
-                    if ckpt:
-                        mb.output = None
-                step.micro.append(mb)
+                self.forward_micro(step, x, m, M, n, is_checkpointed(self.checkpoint, m, M), could_require)
                 m += 1
             commit_deferred_batch_norm(self.layers)
             where[0] = None
@@ -185,40 +181,8 @@ class Schedule:
             input_grads: list[list[torch.Tensor]] = [[] for _ in step.micro]
             for m in backward_order(len(step.micro)):
                 where[0] = m
-                mb = step.micro[m]
-                pending = None
-                if not self.is_last:
-                    expect = [meta for meta, mark in zip(mb.metas, mb.marks) if mark]
-                    what = f"micro-batch {m}'s output gradient"
-                    pending = self._peers().transport.post_recv(self.index + 1, what, expect=expect)
-                y = mb.output
-                if mb.state is not None:
-                    with (
-                        self.timeline.record("recompute", m),
-                        mb.state.restore(),
-                        self.stateful_buffers.replay(mb.buffers),
-                        recomputing(),
-                        torch.enable_grad(),
-                    ):
-                        y = self.run(mb.input, mix(step.seed, m))
-                if pending is not None:
-                    with self.timeline.record("recv-wait", m):
-                        grads, _ = pending.wait()
-                else:
-                    assert last_grads is not None
-                    grads = last_grads[m]
-                with self.timeline.record("backward", m):
-                    marked = [t for t, mark in zip(tensors(y), mb.marks) if mark]
-                    pairs = [(t, g) for t, g in zip(marked, grads) if t.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-                leaves = [t for t in tensors(mb.input) if t.requires_grad]
-                grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
-                step.micro[m] = MicroBatch(None, None, None, [])  # free this micro-batch's memory now
-                if not self.is_first:
-                    self._peers().send(self.index - 1, grads_in, m, requires_grad=[False] * len(grads_in))
-                else:
-                    input_grads[m] = grads_in
+                grads = last_grads[m] if last_grads is not None else []
+                self.backward_micro(step, m, input_grads, partial(_marked_pairs, grads=grads))
             where[0] = None
             if self.is_first and step.input_leaves:
                 torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, self.batch_dim))
@@ -229,6 +193,63 @@ class Schedule:
                     links.check_status()
         if links is not None:
             links.transport.wait_sends()
+
+    def forward_micro(self, step: Step, x: Any, m: int, M: int, n: int, ckpt: bool, could_require: bool) -> None:
+        """Micro-batch m of M (n samples) through this stage's layers, sent on at once; appended to ``step``."""
+        stateful = self.stateful_buffers
+        state = ForwardState.capture([self.device]) if ckpt else None
+        buffers, before = stateful.snapshot() if ckpt else None, stateful.mark()
+        with self.timeline.record("forward", m), deferred_statistics(), torch.set_grad_enabled(not ckpt):
+            y = self.run(x, mix(step.seed, m))
+        stateful.learn(before)
+        check_boundary(y, n, self.batch_dim, self.producer, self.is_last)
+        needs = could_require or any(t.requires_grad for t in tensors(x))
+        marks = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(y)]
+        mb = MicroBatch(x, y, state, marks, buffers=buffers)
+        step.sizes.append(n)
+        if not self.is_last:
+            fields = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed}
+            mb.metas = self.peers().send(self.index + 1, y, m, requires_grad=marks, **fields)
+            if ckpt:
+                mb.output = None
+        step.micro.append(mb)
+
+    def backward_micro(self, step: Step, m: int, input_grads: list[list[torch.Tensor]], roots: Roots) -> None:
+        """Micro-batch m's backward: its recompute first (if checkpointed), then autograd from its output gradient
+        (received from the next stage, or ``roots(output, marks)`` on the last stage); the input gradient goes to the
+        previous stage, or into ``input_grads`` on stage 0. Frees the micro-batch."""
+        mb = step.micro[m]
+        pending = None
+        if not self.is_last:
+            expect = [meta for meta, mark in zip(mb.metas, mb.marks) if mark]
+            what = f"micro-batch {m}'s output gradient"
+            pending = self.peers().transport.post_recv(self.index + 1, what, expect=expect)
+        y = mb.output
+        if mb.state is not None:
+            with (
+                self.timeline.record("recompute", m),
+                mb.state.restore(),
+                self.stateful_buffers.replay(mb.buffers),
+                recomputing(),
+                torch.enable_grad(),
+            ):
+                y = self.run(mb.input, mix(step.seed, m))
+        if pending is not None:
+            with self.timeline.record("recv-wait", m):
+                grads, _ = pending.wait()
+            pairs = _marked_pairs(y, mb.marks, grads)
+        else:
+            pairs = roots(y, mb.marks)
+        with self.timeline.record("backward", m):
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        leaves = [t for t in tensors(mb.input) if t.requires_grad]
+        grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+        step.micro[m] = MicroBatch(None, None, None, [])  # free this micro-batch's memory now
+        if not self.is_first:
+            self.peers().send(self.index - 1, grads_in, m, requires_grad=[False] * len(grads_in))
+        else:
+            input_grads[m] = grads_in
 
     def evaluate(self, input: Any, chunks: int, output_mode: OutputMode) -> Any:
         """A forward-only pipeline (no grad): nothing is kept for a backward phase."""
@@ -248,7 +269,7 @@ class Schedule:
                 if self.is_first:
                     x, n = micro_inputs[m], planned[m]
                 else:
-                    x, got = self._peers().receive(m, training=False)
+                    x, got = self.peers().receive(m, training=False)
                     M, n, seed = got["M"], got["n"], got["seed"]
                 with self.timeline.record("forward", m):
                     y = self.run(x, mix(seed, m), copy=False)
@@ -257,7 +278,7 @@ class Schedule:
                 if self.is_last:
                     outs.append(y)
                 else:
-                    self._peers().send(self.index + 1, y, m, m=m, M=M, n=n, training=False, seed=seed)
+                    self.peers().send(self.index + 1, y, m, m=m, M=M, n=n, training=False, seed=seed)
                 m += 1
             commit_deferred_batch_norm(self.layers)
             where[0] = None

@@ -16,12 +16,14 @@ from lightning_gpipe.pipe.buffers import StatefulBuffers
 from lightning_gpipe.pipe.failures import FailureHandler
 from lightning_gpipe.pipe.indexing import LayerIndex, RemoteLayer
 from lightning_gpipe.pipe.links import Links
+from lightning_gpipe.pipe.microbatch import plan_sizes
 from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, stage_layers
 from lightning_gpipe.pipe.records import OutputMode, Step, validate_output_mode
 from lightning_gpipe.pipe.rng import mix, name_key, reseed
 from lightning_gpipe.pipe.schedule import Checkpoint, Schedule, validate_checkpoint
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
+from lightning_gpipe.pipe.train_step import LossFn, ScheduleName, train_step, validate_schedule
 from lightning_gpipe.pipe.transport import DEFAULT_TIMEOUT_S, Transport, cpu_group
 
 
@@ -273,6 +275,31 @@ class GPipeStage(nn.Module):
         if step is None:
             raise RuntimeError("backward() was called without a forward phase to drain: call the module first")
         self._schedule.backward(step, grad_output, self._output_mode, drained)
+
+    def train_step(
+        self,
+        input: Any,
+        loss_fn: LossFn,
+        *,
+        schedule: ScheduleName = "1f1b",
+        drained: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """A whole training step with the loss inside the pipeline, forward and backward (see ``train_step``).
+
+        ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` on each micro-batch's
+        output as soon as it exists and back-propagates the scalar it returns at once (weight it: ``n_m / N`` for a
+        mean over samples, see :meth:`micro_batch_sizes`); it returns those scalars, detached, the other stages [].
+        ``schedule`` is ``"1f1b"`` (at most K − k micro-batches in flight on stage k) or ``"gpipe"`` (all M).
+        ``drained`` runs once this stage's gradients are complete, before waiting for the other stages.
+        """
+        self._failures.check_usable()
+        if self._step is not None:
+            raise RuntimeError("train_step() was called while a forward phase awaits its backward(): drain it first")
+        return train_step(self._schedule, input, self._chunks, loss_fn, validate_schedule(schedule), drained)
+
+    def micro_batch_sizes(self, input: Any) -> list[int]:
+        """n_m of each micro-batch this stage's pipeline splits ``input`` into (the same on every stage)."""
+        return plan_sizes(input, self._chunks, self._batch_dim)
 
     def abort(self, exc: BaseException) -> None:
         """Report a failure outside the pipelined module (e.g. in the loss) to every stage, then raise it."""

@@ -77,8 +77,9 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
     stages = sorted({e.stage for e in events})
     start, end = min(e.start_ns for e in events), max(e.end_ns for e in events)
     phases = [e for e in events if e.kind == "step"]
-    fwd = [e.start_ns for e in phases if e.label == "forward"] or [start]
-    bwd = [e.end_ns for e in phases if e.label == "backward"] or [end]
+    # A step with the loss inside the pipeline is one "train" phase (see pipe.train_step).
+    fwd = [e.start_ns for e in phases if e.label in ("forward", "train")] or [start]
+    bwd = [e.end_ns for e in phases if e.label in ("backward", "train")] or [end]
     p_start, p_end = min(fwd), max(bwd)
     span, p_span = end - start, max(p_end - p_start, 1)
     M = max((e.micro_batch for e in events if e.kind == "forward"), default=-1) + 1
@@ -87,7 +88,9 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
     for k in stages:
         mine = [e for e in events if e.stage == k and e.kind != "step"]
         ms = {kind: sum(e.end_ns - e.start_ns for e in mine if e.kind == kind) / 1e6 for kind in PARTS}
-        busy = [(max(e.start_ns, p_start), min(e.end_ns, p_end)) for e in mine if e.kind in COMPUTE]
+        # A micro-batch's loss (m ≥ 0) is the last stage's work inside the pipeline; the whole batch's is not.
+        inside = [e for e in mine if e.kind in COMPUTE or (e.kind == "loss" and e.micro_batch >= 0)]
+        busy = [(max(e.start_ns, p_start), min(e.end_ns, p_end)) for e in inside]
         compute_in_pipeline = _union_ns([iv for iv in busy if iv[1] > iv[0]])
         covered = _union_ns([(e.start_ns, e.end_ns) for e in mine])
         per_stage[k] = {

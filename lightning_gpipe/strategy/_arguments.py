@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
+from lightning_gpipe.pipe.train_step import SCHEDULES
 from lightning_gpipe.strategy._balance import BALANCE_NAMES
 from lightning_gpipe.strategy._batch_check import CHECK_BATCHES
 
@@ -47,6 +48,17 @@ def check_strategy_args(
             f"GPipeStrategy(balance={balance!r}): choose one of {list(BALANCE_NAMES)}, a list of layer counts per "
             "stage, or a cost function fn(index, layer) -> cost"
         )
+
+
+def check_loss_path(micro_batch_loss: Any, schedule: Any) -> None:
+    """Where the loss runs, and in which order the micro-batches go when it runs inside the pipeline."""
+    if micro_batch_loss not in (True, False, "auto"):
+        raise ValueError(
+            f"GPipeStrategy(micro_batch_loss={micro_batch_loss!r}): choose 'auto' (inside the pipeline when the module "
+            "defines pipeline_loss), True or False"
+        )
+    if schedule not in SCHEDULES:
+        raise ValueError(f"GPipeStrategy(schedule={schedule!r}): choose one of {list(SCHEDULES)}")
 
 
 def check_world_size(K: int, world_size: int, num_nodes: int, num_processes: int) -> None:

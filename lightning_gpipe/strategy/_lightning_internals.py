@@ -12,6 +12,9 @@ on). Kept here, and why no public API does it:
 - ``logged_values``, ``forward_cache``: ``output="placeholder"`` copies every logged value and metric state from
   the last stage, which needs the tensors behind ``self.log`` (``Trainer._results``) and a metric's last forward
   value (torchmetrics ``Metric._forward_cache``); neither has a public accessor.
+- ``set_forward_cache``, ``update_count``, ``local_compute``: the loss inside the pipeline updates metrics per
+  micro-batch on the last stage and adds the step's increment to every rank's copy (``Metric.merge_state``, public);
+  the step value, the count of updates and a compute without the cross-process sync have no public setter.
 - ``route_norm_clipping``: Lightning clips through the precision plugin, with a local norm and no strategy hook;
   a pipeline needs the norm of the whole model across stages.
 - Duck-typed by Lightning's accelerator connector, so no wrapper: it reads ``GPipeStrategy.is_distributed`` with
@@ -109,6 +112,31 @@ def logged_values(trainer: pl.Trainer) -> tuple[list[str], list[Tensor]]:
 def forward_cache(metric: Metric) -> Any:
     """The value ``metric``'s last forward call returned (torchmetrics keeps it as ``_forward_cache``)."""
     return metric._forward_cache
+
+
+def set_forward_cache(metric: Metric, value: Any) -> None:
+    """Make ``value`` the step value Lightning logs for ``metric`` (see :func:`forward_cache`)."""
+    metric._forward_cache = value
+
+
+def update_count(metric: Metric) -> int:
+    """How many updates ``metric``'s state holds (``_update_count``; ``compute`` warns when it is 0)."""
+    return metric._update_count
+
+
+def set_update_count(metric: Metric, count: int) -> None:
+    metric._update_count = count
+    metric._computed = None  # the cached result of compute() belongs to the old state
+
+
+def local_compute(metric: Metric) -> Any:
+    """``metric.compute()`` on this process's state only, as ``forward`` computes its step value (``_to_sync``)."""
+    to_sync = metric._to_sync
+    metric._to_sync = metric.dist_sync_on_step
+    try:
+        return metric.compute()
+    finally:
+        metric._to_sync, metric._computed = to_sync, None
 
 
 def route_norm_clipping(plugin: Precision, clip: Callable[[torch.optim.Optimizer, int | float], None]) -> None:

@@ -170,5 +170,12 @@ class RankPipeline:
                 # The own gradients' buckets leave before the drain's status check waits for the slowest stage.
                 stage.backward(drained=(lambda: own.append(dp_reduce.start())) if reduce else None)
         if reduce:
-            with stage.timeline.record("reduce"):
-                dp_reduce.finish(own[0] if own else dp_reduce.start(), copies.sum_gradients)
+            self.reduce(own[0] if own else None)
+
+    def reduce(self, started: PendingReduction | None = None) -> None:
+        """Sum the gradients of weights with copies on other stages, average every gradient over the replicas
+        (``started``: the own buckets already on their way)."""
+        dp_reduce, copies = self._dp_reduce, self.copies
+        assert dp_reduce is not None and copies is not None, "connect() first"
+        with self.stage.timeline.record("reduce"):
+            dp_reduce.finish(started if started is not None else dp_reduce.start(), copies.sum_gradients)

@@ -23,11 +23,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy import _checkpoint_files as checkpointing
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
+    check_loss_path,
     check_strategy_args,
     check_world_size,
     find_backbone,
@@ -39,6 +40,7 @@ from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
 from lightning_gpipe.strategy._clean_exit import keep_at_exit
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
 from lightning_gpipe.strategy._mesh import PipelineMesh, default_backend, world_barrier, world_broadcast, world_vote
+from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
 from lightning_gpipe.strategy._predict import mute_prediction_output, unmute
 from lightning_gpipe.strategy._rank_pipeline import RankPipeline, StageOptions
 from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage
@@ -65,6 +67,10 @@ class GPipeStrategy(ParallelStrategy):
     ``check_batches``: when the stages of a pipeline compare fingerprints of their batches (which must be the same;
     per-rank augmentation breaks that), an all-gather and a host sync each: ``"first"`` (default) training step of
     every epoch, where samplers and worker seeds are set up, ``"always"``, or ``"never"``; never in evaluation.
+    ``micro_batch_loss``: ``"auto"`` (default) puts the loss inside the pipeline when the module defines
+    ``pipeline_loss(self, output, batch)`` and calls it as ``self.pipeline_loss(self.backbone(x), batch)``: it runs
+    per micro-batch on the last stage, by ``schedule`` ``"1f1b"`` (default) or ``"gpipe"``; logs, metrics and the
+    returned loss stay the whole batch's on every rank (see ``_micro_batch_loss``). ``False``: the path above.
     """
 
     strategy_name = "gpipe"
@@ -87,9 +93,14 @@ class GPipeStrategy(ParallelStrategy):
         trace_dir: str | None = None,
         trace_steps: int | list[int] = 5,
         check_batches: CheckBatches = "first",
+        micro_batch_loss: bool | Literal["auto"] = "auto",
+        schedule: ScheduleName = "1f1b",
     ) -> None:
         super().__init__()
         check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim, check_batches, balance)
+        check_loss_path(micro_batch_loss, schedule)
+        self.micro_batch_loss, self.schedule = micro_batch_loss, schedule
+        self._micro: MicroBatchLoss | None = None
         self.trace_steps = check_trace_args(trace_dir, trace_steps)
         self.trace_dir = trace_dir
         self.chunks = chunks
@@ -221,6 +232,8 @@ class GPipeStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_size_mb * 2**20))
+        args = (self.micro_batch_loss, self.stage, self.schedule, self.batch_dim, mesh.header_group)
+        self._micro = MicroBatchLoss.choose(module, *args)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_check.start_fit()
@@ -256,7 +269,13 @@ class GPipeStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs.get("batch")
         with abort_on_error(stage):
             self._batch_check(batch, trainer.current_epoch, mesh.K, mesh.header_group)
-            output = self._from_last_stage(super().training_step(*args, **kwargs))
+            if self._micro is None:
+                output = self._from_last_stage(super().training_step(*args, **kwargs))
+            else:
+                scaler = getattr(self.precision_plugin, "scaler", None)
+                scale = scaler.scale if scaler is not None else (lambda t: t)
+                with self._micro.training_step(self.lightning_module, trainer.accumulate_grad_batches, scale):
+                    output = super().training_step(*args, **kwargs)
         if self._rank_pipeline.step_audit is not None:
             self._rank_pipeline.step_audit(stage, batch)
         return output
@@ -283,11 +302,19 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         assert self.lightning_module is not None
-        module, plugin = self.lightning_module, self.precision_plugin
+        module, plugin, micro = self.lightning_module, self.precision_plugin, self._micro
         self.pre_backward(closure_loss)
+        if micro is not None and micro.loss is not None:  # the step's gradients exist: pipeline_loss ran
+            micro.check_closure_loss(closure_loss, self._trainer.accumulate_grad_batches)
         closure_loss = plugin.pre_backward(closure_loss, module)
-        backprop = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)  # on the last stage
-        self._rank_pipeline.backward(self.backbone, closure_loss, backprop, self._tracer, reduce=not self._sync_blocked)
+        if micro is not None and micro.loss is not None:
+            micro.add_gradients()
+            if not self._sync_blocked:
+                self._rank_pipeline.reduce()
+        else:
+            backprop = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)  # on the last stage
+            pipeline = self._rank_pipeline
+            pipeline.backward(self.backbone, closure_loss, backprop, self._tracer, reduce=not self._sync_blocked)
         closure_loss = plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -1,0 +1,167 @@
+"""What ``pipeline_loss`` logs and feeds to metrics per micro-batch, combined into the whole step's, on every rank."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_gpipe.strategy._lightning_internals import (
+    local_compute,
+    set_forward_cache,
+    set_update_count,
+    update_count,
+)
+
+REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+@dataclass
+class _Key:
+    kwargs: dict[str, Any]
+    values: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    metric: str | None = None  # the logged Metric's module path
+
+
+def _reduction(name: str, kwargs: dict[str, Any]) -> str:
+    fx = kwargs.get("reduce_fx", "mean")
+    for candidate in REDUCTIONS:
+        if fx == candidate or fx is getattr(torch, candidate):
+            return candidate
+    raise ValueError(
+        f"self.log({name!r}, ..., reduce_fx={fx!r}) inside pipeline_loss: GPipeStrategy combines the micro-batches' "
+        f"values with one of {list(REDUCTIONS)}; log it in training_step instead, or micro_batch_loss=False"
+    )
+
+
+class LogRecorder:
+    """Takes the place of ``self.log`` inside ``pipeline_loss`` on the last stage: one call per micro-batch and key,
+    combined by the key's ``reduce_fx`` -- a mean weighted by ``batch_size`` where given, else by the micro-batch's
+    weight in the loss, which gives the whole batch's mean over samples (or over ``pipeline_loss_count``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.keys: dict[str, _Key] = {}
+        self.weight = 1.0
+        self._metric_paths = {id(m): name for name, m in module.named_modules()}
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError(f"self.log({name!r}, ...) inside pipeline_loss: pass its options by keyword")
+        key = self.keys.setdefault(name, _Key(dict(kwargs)))
+        rest = {k: v for k, v in kwargs.items() if k != "batch_size"}
+        if rest != {k: v for k, v in key.kwargs.items() if k != "batch_size"}:
+            raise ValueError(f"self.log({name!r}, ...) inside pipeline_loss was called with other options this time")
+        if hasattr(value, "compute") and id(value) in self._metric_paths:  # a torchmetrics Metric of the module
+            key.metric = self._metric_paths[id(value)]
+            return
+        _reduction(name, kwargs)
+        key.values.append(float(value))
+        key.weights.append(self.weight)
+        if "batch_size" in kwargs:
+            key.batch_sizes.append(int(kwargs["batch_size"]))
+
+    def log_dict(self, dictionary: Any, **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
+
+    def combined(self, M: int) -> list[tuple[str, Any, dict[str, Any]]]:
+        """(name, value or Metric path, options) per key, in the order first logged: what every rank logs once."""
+        out: list[tuple[str, Any, dict[str, Any]]] = []
+        for name, key in self.keys.items():
+            if key.metric is not None:
+                out.append((name, key.metric, key.kwargs))
+                continue
+            if len(key.values) != M:
+                raise ValueError(
+                    f"self.log({name!r}, ...) inside pipeline_loss ran for {len(key.values)} of the {M} micro-batches: "
+                    "log the same keys for every micro-batch (its value would otherwise miss part of the batch)"
+                )
+            fx, v, kwargs = _reduction(name, key.kwargs), key.values, dict(key.kwargs)
+            if fx == "sum":
+                value = math.fsum(v)
+            elif fx in ("max", "min"):
+                value = max(v) if fx == "max" else min(v)
+            elif key.batch_sizes:
+                kwargs["batch_size"] = sum(key.batch_sizes)
+                value = math.fsum(b * x for b, x in zip(key.batch_sizes, v)) / max(kwargs["batch_size"], 1)
+            else:
+                value = math.fsum(w * x for w, x in zip(key.weights, v))
+            out.append((name, value, kwargs))
+        return out
+
+
+def _metrics(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, Metric):
+            yield name, m
+
+
+@contextmanager
+def step_only_metrics(module: nn.Module, out: dict[str, Any]) -> Iterator[None]:
+    """On the last stage, while the micro-batches run: every metric starts empty, so that what it holds after them
+    is this step's increment (``out[path] = (state, step value, updates)``); its earlier state is merged back after."""
+    saved = {}
+    for name, metric in _metrics(module):
+        saved[name] = (metric.metric_state, update_count(metric))
+        metric.reset()
+    try:
+        yield
+    finally:
+        for name, metric in _metrics(module):
+            before, count = saved[name]
+            if update_count(metric) and name not in out:
+                out[name] = (_cpu(metric.metric_state), _cpu(local_compute(metric)), update_count(metric))
+            for attr, value in before.items():  # as it was; absorb() then adds the increment, alike on every rank
+                setattr(metric, attr, value)
+            set_update_count(metric, count)
+
+
+def absorb(module: nn.Module, increments: dict[str, Any], device: torch.device) -> None:
+    """Add each metric's step increment to its state, as on the last stage, and set its step value."""
+    metrics = dict(_metrics(module))
+    for name, (state, value, updates) in increments.items():
+        metric = metrics[name]
+        before, count = metric.metric_state, update_count(metric)
+        for attr, v in state.items():
+            setattr(metric, attr, _on(v, device))
+        set_update_count(metric, count + updates)
+        if count:
+            try:
+                metric.merge_state(before)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"GPipeStrategy: the metric {name} ({type(metric).__name__}) was updated inside pipeline_loss, "
+                    f"per micro-batch, and cannot add its steps' states together ({e}); update it in training_step, "
+                    "or micro_batch_loss=False"
+                ) from e
+        set_forward_cache(metric, _on(value, device))
+
+
+def replay(module: Any, logs: list[tuple[str, Any, dict[str, Any]]], device: torch.device) -> None:
+    """The real ``self.log`` calls, once per key, with the combined values: the same on every rank."""
+    modules = dict(module.named_modules())
+    for name, value, kwargs in logs:
+        if isinstance(value, str):
+            module.log(name, modules[value], **kwargs)
+        else:
+            module.log(name, torch.tensor(value, dtype=torch.float32, device=device), **kwargs)
+
+
+def _cpu(tree: Any) -> Any:
+    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _on(tree: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)

@@ -1,0 +1,231 @@
+"""The loss inside the pipeline: the module's ``pipeline_loss`` run per micro-batch on the last stage (1F1B or GPipe).
+
+A training step on this path (``docs/design/micro-batch-loss.md``)::
+
+    training_step(batch)                       every rank, the user's code
+      out = self.backbone(x)                   -> a PipelineOutput marker; x kept, nothing runs yet
+      loss = self.pipeline_loss(out, batch)    -> stage.train_step: forward and backward of every micro-batch;
+                                                  on the last stage pipeline_loss(y_m, batch_m) · w_m per micro-batch,
+                                                  its self.log calls and metric updates recorded;
+                                                  one broadcast: the loss, the combined logs, the metric increments;
+                                                  every rank logs once per key; the loss comes back as a fresh leaf
+    backward(loss)                             the step's gradients (kept aside during training_step, which Lightning
+                                                  follows with zero_grad) are added into .grad, then reduced
+
+Weights: w_m = c(B_m) / c(B) with c = ``pipeline_loss_count(*args)`` if the module defines it, else the number of
+samples; the whole batch's loss is then Σ_m w_m · loss_m exactly, for a loss that is a mean over what c counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_gpipe.pipe import GPipeStage, ScheduleName
+from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes
+from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, replay, step_only_metrics
+
+HOOK, COUNT = "pipeline_loss", "pipeline_loss_count"
+
+
+def _misuse(what: str) -> TypeError:
+    return TypeError(
+        f"GPipeStrategy(micro_batch_loss): the backbone's output was {what}. On this path it exists per micro-batch "
+        "on the last stage only: pass it straight to self.pipeline_loss(output, batch), which computes the loss (and "
+        "logs and updates metrics) per micro-batch; or set GPipeStrategy(micro_batch_loss=False)"
+    )
+
+
+class PipelineOutput:
+    """What the backbone returns in a training step on this path: a stand-in for ``pipeline_loss``'s first argument."""
+
+    def __init__(self, input: Any) -> None:
+        self.input = input
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise _misuse(f"given to {getattr(func, '__name__', func)}")
+
+    def __getattr__(self, name: str) -> Any:
+        raise _misuse(f"asked for .{name}")
+
+    def __getitem__(self, key: Any) -> Any:
+        raise _misuse("indexed")
+
+    def __iter__(self) -> Any:
+        raise _misuse("iterated")
+
+    def __bool__(self) -> bool:
+        raise _misuse("tested for truth")
+
+
+class MicroBatchLoss:
+    """Runs one training step's ``pipeline_loss`` inside the pipeline and keeps its gradients for ``backward``."""
+
+    def __init__(self, stage: GPipeStage, schedule: ScheduleName, batch_dim: int, group: dist.ProcessGroup) -> None:
+        self.stage, self.schedule, self.batch_dim, self.group = stage, schedule, batch_dim, group
+        self.last = dist.get_global_rank(group, stage.num_stages - 1) if stage.num_stages > 1 else None
+        self.loss: float | None = None  # the step's loss, once pipeline_loss ran
+        self.grads: dict[nn.Parameter, Tensor] = {}
+        self._output: PipelineOutput | None = None
+
+    @contextmanager
+    def training_step(self, module: Any, accumulate: int, scale: Callable[[Tensor], Tensor]) -> Iterator[None]:
+        """While the user's training_step runs: the backbone gives a marker, ``pipeline_loss`` runs the pipeline."""
+        stage, self.loss, self._output, self.grads = self.stage, None, None, {}
+        real_forward = stage.forward
+
+        def capture(input: Any = None) -> Any:
+            if not torch.is_grad_enabled():
+                return real_forward(input)  # a frozen backbone under no_grad runs as usual
+            if self._output is not None:
+                raise RuntimeError("the training step called the backbone twice: call it exactly once per step")
+            self._output = PipelineOutput(input)
+            return self._output
+
+        hook = getattr(module, HOOK)
+
+        def pipeline_loss(output: Any, *args: Any, **kwargs: Any) -> Tensor:
+            if not isinstance(output, PipelineOutput) or output is not self._output:
+                return hook(output, *args, **kwargs)  # a whole output (validation, or computed outside the backbone)
+            if self.loss is not None:
+                raise RuntimeError("self.pipeline_loss ran twice on the backbone's output in one training step")
+            return self._run(module, hook, output.input, args, kwargs, accumulate, scale)
+
+        stage.forward = capture  # type: ignore[method-assign]
+        module.pipeline_loss = pipeline_loss
+        try:
+            yield
+            if self._output is not None and self.loss is None:
+                raise _misuse("never passed to self.pipeline_loss")
+        finally:
+            del stage.forward
+            del module.pipeline_loss
+
+    def _run(
+        self,
+        module: Any,
+        hook: Callable[..., Tensor],
+        input: Any,
+        args: tuple,
+        kwargs: dict,
+        accumulate: int,
+        scale: Callable[[Tensor], Tensor],
+    ) -> Tensor:
+        stage = self.stage
+        device = _device_of(stage)
+        params = [p for p in module.parameters() if p.requires_grad]
+        parked = [p.grad for p in params]  # Lightning zeroes .grad after training_step: the step's go aside
+        for p in params:
+            p.grad = None
+        payload: dict[str, Any] = {}
+        try:
+            if stage.is_last:
+                payload = self._last_stage(module, hook, input, args, kwargs, accumulate, scale)
+            else:
+                stage.train_step(input, _never_called, schedule=self.schedule)
+        finally:
+            self.grads = {p: p.grad for p in params if p.grad is not None}
+            for p, g in zip(params, parked):
+                p.grad = g
+        if self.last is not None:
+            box = [payload]
+            dist.broadcast_object_list(box, src=self.last, group=self.group)
+            payload = box[0]
+        if "error" in payload:
+            raise RuntimeError(f"on the last stage, after the pipeline: {payload['error']}")
+        absorb(module, payload["metrics"], device)
+        replay(module, payload["logs"], device)
+        self.loss = payload["loss"]
+        return torch.tensor(payload["loss"], dtype=torch.float32, device=device, requires_grad=True)
+
+    def _last_stage(
+        self,
+        module: Any,
+        hook: Callable[..., Tensor],
+        input: Any,
+        args: tuple,
+        kwargs: dict,
+        accumulate: int,
+        scale: Callable[[Tensor], Tensor],
+    ) -> dict[str, Any]:
+        sizes = micro_batch_sizes(batch_size(input, self.batch_dim), self.stage.chunks)
+        pieces = split_by_sizes((args, kwargs), sizes, self.batch_dim)
+        count = getattr(module, COUNT, None)
+        if count is not None:
+            total = float(count(*args, **kwargs))
+            weights = [float(count(*a, **k)) / total if total else 0.0 for a, k in pieces]
+        else:
+            weights = [n / sum(sizes) for n in sizes]
+        recorder, losses, increments = LogRecorder(module), [], {}  # type: ignore[var-annotated]
+        real_log, real_log_dict = module.log, module.log_dict
+
+        def loss_fn(y: Any, m: int) -> Tensor:
+            a, k = pieces[m]
+            recorder.weight = weights[m]
+            module.log, module.log_dict = recorder.log, recorder.log_dict
+            try:
+                loss = hook(y, *a, **k)
+            finally:
+                module.log, module.log_dict = real_log, real_log_dict
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError(f"pipeline_loss must return a scalar tensor, got {type(loss).__name__}")
+            if weights[m] == 0.0:  # nothing of the loss in this micro-batch (all padding): 0/0 must not reach .grad
+                return torch.zeros((), device=loss.device)
+            losses.append(loss.detach().double() * weights[m])
+            return scale(loss * (weights[m] / accumulate))
+
+        with step_only_metrics(module, increments):
+            self.stage.train_step(input, loss_fn, schedule=self.schedule)
+        try:
+            logs = recorder.combined(len(sizes))
+            return {"loss": math.fsum(float(t) for t in losses), "logs": logs, "metrics": increments}
+        except Exception as e:  # the other stages wait for this broadcast: they must learn why it failed
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    @classmethod
+    def choose(
+        cls, module: Any, setting: Any, stage: GPipeStage, schedule: ScheduleName, batch_dim: int, group: Any
+    ) -> MicroBatchLoss | None:
+        """This path when ``setting`` is True, or "auto" and the module defines ``pipeline_loss``; else None."""
+        defined = callable(getattr(module, HOOK, None))
+        if setting is True and not defined:
+            raise TypeError(
+                f"GPipeStrategy(micro_batch_loss=True) needs {type(module).__name__}.pipeline_loss(self, output, "
+                "batch), called in training_step as self.pipeline_loss(self.backbone(x), batch); define it, or "
+                "micro_batch_loss='auto'"
+            )
+        return cls(stage, schedule, batch_dim, group) if defined and setting is not False else None
+
+    def check_closure_loss(self, closure_loss: Tensor, accumulate: int) -> None:
+        """The loss Lightning back-propagates must be pipeline_loss's (÷ ``accumulate`` in automatic optimization):
+        a term added outside it would reach no gradient."""
+        assert self.loss is not None
+        got = float(closure_loss.detach())
+        if not any(abs(got - self.loss / a) <= 1e-5 * max(1.0, abs(got)) for a in (1, accumulate)):
+            raise RuntimeError(
+                f"GPipeStrategy(micro_batch_loss): the training step returned {got:.6g}, not the value of "
+                f"self.pipeline_loss ({self.loss:.6g}); only pipeline_loss is back-propagated through the pipeline, "
+                "so move every term of the loss into it, or set micro_batch_loss=False"
+            )
+
+    def add_gradients(self) -> None:
+        """In ``backward``: the step's gradients into ``.grad`` (after Lightning's zero_grad, if it ran)."""
+        for p, g in self.grads.items():
+            p.grad = g if p.grad is None else p.grad + g
+        self.grads = {}
+        self.loss = None
+
+
+def _never_called(y: Any, m: int) -> Tensor:
+    raise AssertionError("only the last stage computes the loss")
+
+
+def _device_of(stage: GPipeStage) -> torch.device:
+    return next((t.device for t in [*stage.parameters(), *stage.buffers()]), torch.device("cpu"))

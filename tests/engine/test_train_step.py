@@ -1,0 +1,253 @@
+"""The loss inside the pipeline (GPipeStage.train_step): the schedules as drawn, and the same run as the plain model."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_gpipe.pipe.train_step as train_step_module
+from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
+from lightning_gpipe.pipe.errors import PipelineError
+from lightning_gpipe.pipe.train_step import OPS, LossFn, keeps_graph, one_f_one_b_ops
+from tests.engine.test_parity import BALANCES, MICRO, MODES, SHAPES, TOL, rel_err
+from tests.helpers import models
+from tests.helpers.launch import run_distributed
+
+
+def simulate(schedule: str, K: int, M: int) -> list[str]:
+    """Unit-cost timeline of the op lists: F m waits for F m on the stage before, B m for B m on the stage after
+    (the last stage's for its own F m); one row per stage as in the module docstring."""
+    ops = [OPS[schedule](k, K, M) for k in range(K)]  # type: ignore[index]
+    done: dict[tuple[str, int, int], int] = {}
+    rows: list[list[str]] = [[] for _ in range(K)]
+    pos = [0] * K
+    t = 0
+    while any(p < len(o) for p, o in zip(pos, ops)):
+        ran = []
+        for k in range(K):
+            if pos[k] == len(ops[k]):
+                rows[k].append(" .")
+                continue
+            kind, m = ops[k][pos[k]]
+            dep = ("F", k - 1, m) if kind == "F" else (("B", k + 1, m) if k < K - 1 else ("F", k, m))
+            ready = (kind == "F" and k == 0) or done.get(dep, t) < t
+            rows[k].append(f"{kind}{m}" if ready else " .")
+            if ready:
+                ran.append((kind, k, m))
+        for kind, k, m in ran:
+            done[(kind, k, m)] = t
+            pos[k] += 1
+        t += 1
+    return ["".join(f" {c:>2}" for c in row).replace(" .", ".").rstrip(". ") for row in rows]
+
+
+def drawn(schedule: str) -> list[str]:
+    """The rows drawn in the docstring of pipe.train_step for ``schedule``, in the same format as simulate()."""
+    doc = train_step_module.__doc__ or ""
+    column = 0 if schedule == "gpipe" else 1
+    rows = []
+    for line in doc.splitlines():
+        parts = re.findall(r"s\d \|([^s]*)", line)
+        if len(parts) == 2:
+            cells = parts[column].split()
+            rows.append("".join(f" {c:>2}" for c in cells).replace(" .", ".").rstrip(". "))
+    return rows
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_drawn_schedules_are_what_the_op_lists_do(schedule: str) -> None:
+    assert drawn(schedule) == simulate(schedule, 3, 4)
+    assert len(drawn(schedule)) == 3
+
+
+@pytest.mark.parametrize(("K", "M"), [(1, 1), (2, 8), (3, 4), (4, 2), (4, 8), (8, 3)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_op_lists_run_every_micro_batch_once_and_bound_what_is_in_flight(schedule: str, K: int, M: int) -> None:
+    for k in range(K):
+        ops = OPS[schedule](k, K, M)  # type: ignore[index]
+        assert sorted(ops) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
+        assert [m for kind, m in ops if kind == "F"] == list(range(M))
+        assert [m for kind, m in ops if kind == "B"] == list(range(M))
+        assert all(ops.index(("F", m)) < ops.index(("B", m)) for m in range(M))
+        in_flight = peak = 0
+        for kind, _ in ops:
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+        expected = min(M, K - k) if schedule == "1f1b" or k == K - 1 else M
+        if schedule == "gpipe" and k == K - 1:
+            expected = 1
+        assert peak == expected, (k, ops)
+    # 2(M + K − 1) units with unit costs: GPipe's bubble, no more.
+    assert max(len(row.split()) for row in simulate(schedule, K, M)) <= 2 * (M + K - 1)
+
+
+def test_except_last_keeps_the_graphs_whose_backward_comes_next() -> None:
+    ops = one_f_one_b_ops(1, 3, 4)  # F0 F1 B0 F2 B1 F3 B2 B3: the recompute of 3 fills the wait for its gradient
+    assert not any(keeps_graph("except_last", ops, m) for m in range(4))
+    assert keeps_graph("except_last", one_f_one_b_ops(0, 3, 1), 0)  # F0 B0
+    last = one_f_one_b_ops(2, 3, 4)
+    assert all(keeps_graph("except_last", last, m) for m in range(4))
+    assert not any(keeps_graph("always", last, m) for m in range(4))
+    assert all(keeps_graph("never", ops, m) for m in range(4))
+
+
+def token_mean(out: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss averaged over the tokens whose id is not 0 (padding): (sum of terms, token count)."""
+    mask = (ids != 0).to(out.dtype)
+    return ((out.pow(2).mean(-1) * mask).sum(), mask.sum())
+
+
+def micro_loss(loss: str, tgt: torch.Tensor, ids: torch.Tensor, sizes: list[int]) -> LossFn:
+    """Micro-batch m's share of the whole batch's loss: weight n_m/N for a mean over samples, tokens_m/tokens for
+    a mean over tokens."""
+    N, offsets = sum(sizes), [sum(sizes[:m]) for m in range(len(sizes))]
+    tokens = token_mean(torch.zeros((*ids.shape, 1)), ids)[1]
+
+    def fn(y: torch.Tensor, m: int) -> torch.Tensor:
+        lo, hi = offsets[m], offsets[m] + sizes[m]
+        if loss == "mean":
+            return models.loss_fn(y, tgt[lo:hi]) * (sizes[m] / N)
+        return token_mean(y, ids[lo:hi])[0] / tokens
+
+    return fn
+
+
+def run_case(kind: str, M: int, mode: str, schedule: str, balance: list[int], loss: str) -> dict[str, float]:
+    """Three optimizer steps with the loss per micro-batch, and the same on the plain model."""
+    torch.manual_seed(1234)
+    backbone = models.MODELS[kind]()
+    prefix = nn.Linear(models.D, models.D) if kind == "mlp" else nn.Identity()
+    ref_backbone, ref_prefix = copy.deepcopy(backbone), copy.deepcopy(prefix)
+    stage = GPipeStage(backbone, chunks=M, balance=balance, checkpoint=mode)
+    opt = torch.optim.SGD([*stage.parameters(), *prefix.parameters()], lr=0.1)
+    ref_opt = torch.optim.SGD([*ref_backbone.parameters(), *ref_prefix.parameters()], lr=0.1)
+    ref_params = dict(ref_backbone.named_parameters())
+    errs = {"grad": 0.0, "loss": 0.0, "weight": 0.0, "prefix": 0.0}
+    checked = 0
+    for step, (N, T) in enumerate(SHAPES[kind]):
+        x = models.make_input(kind, N, T, seed=step)
+        ids = models.make_input("ids", N, T, seed=50 + step)  # padding (0) falls unevenly on the micro-batches
+        ref_opt.zero_grad()
+        ref_out = ref_backbone(ref_prefix(x))
+        tgt = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(100 + step))
+        if loss == "mean":
+            ref_loss = models.loss_fn(ref_out, tgt)
+        else:
+            total, count = token_mean(ref_out, ids)
+            ref_loss = total / count
+        ref_loss.backward()
+        opt.zero_grad()
+        losses = stage.train_step(prefix(x), micro_loss(loss, tgt, ids, stage.micro_batch_sizes(x)), schedule=schedule)
+        if stage.is_last:
+            assert len(losses) == len(stage.micro_batch_sizes(x))
+            errs["loss"] = max(errs["loss"], rel_err(torch.stack(losses).sum(), ref_loss.detach()))
+        else:
+            assert losses == []
+        for name, p in stage.named_parameters():
+            assert p.grad is not None, f"{name} got no gradient"
+            errs["grad"] = max(errs["grad"], rel_err(p.grad, ref_params[name].grad))
+            checked += 1
+        if kind == "mlp" and stage.is_first:
+            for p, r in zip(prefix.parameters(), ref_prefix.parameters()):
+                errs["prefix"] = max(errs["prefix"], rel_err(p.grad, r.grad))
+        opt.step()
+        ref_opt.step()
+    for name, p in stage.named_parameters():
+        errs["weight"] = max(errs["weight"], rel_err(p.detach(), ref_params[name].detach()))
+    errs["params_checked"] = checked
+    return errs
+
+
+CASES = [
+    (kind, M, mode, schedule, loss)
+    for kind, M, mode, schedule in itertools.product(models.MODELS, MICRO, MODES, ("gpipe", "1f1b"))
+    for loss in (("mean", "tokens") if kind == "cells" else ("mean",))
+]
+
+
+def parity_worker(rank: int, world_size: int) -> list[tuple[tuple, dict[str, float]]]:
+    warnings.simplefilter("ignore")  # N < M warns by design
+    return [(case, run_case(*case[:4], BALANCES[world_size], case[4])) for case in CASES]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+@pytest.mark.timeout(400)
+def test_loss_in_the_pipeline_equals_plain_model(K: int) -> None:
+    """Both schedules, K stages, M ∈ {1, 2, 4, 8} (M < K too), every re-materialization mode, uneven and too-small
+    batches, changing shapes, a mean over samples and a mean over tokens (weights n_m/N and tokens_m/tokens)."""
+    per_rank = run_distributed(parity_worker, K, timeout=380)
+    checked = 0
+    for rank, results in enumerate(per_rank):
+        for case, errs in results:
+            checked += errs.pop("params_checked")
+            bad = {k: v for k, v in errs.items() if v > TOL}
+            assert not bad, f"stage {rank}, case {case}: {bad}"
+    counts = {kind: len(list(make().parameters())) for kind, make in models.MODELS.items()}
+    assert checked == sum(counts[case[0]] for case in CASES) * 3
+
+
+def batchnorm_worker(rank: int, world_size: int, schedule: str) -> dict[str, float]:
+    """Deferred BatchNorm under both schedules: micro-batch normalization, mini-batch statistics committed once."""
+    torch.manual_seed(0)
+    model = models.with_bn()
+    ref = copy.deepcopy(model)
+    M = 4
+    stage = GPipeStage(model, chunks=M, balance=[2, 4], checkpoint="except_last")
+    full_bn = {i: copy.deepcopy(ref[i]) for i in (1, 4)}
+    ref_params = dict(ref.named_parameters())
+    errs = {"grad": 0.0, "mean": 0.0, "var": 0.0, "tracked": 0.0}
+    for step, N in enumerate((10, 13)):
+        x = models.make_input("mlp", N, seed=step)
+        inputs: dict[int, list[torch.Tensor]] = {1: [], 4: []}
+        hooks = [ref[i].register_forward_pre_hook(lambda _, a, got=got: got.append(a[0])) for i, got in inputs.items()]
+        sizes = micro_batch_sizes(N, M)
+        ref_out = torch.cat([ref(mb) for mb in x.split(sizes)])
+        for h in hooks:
+            h.remove()
+        for i, bn in full_bn.items():
+            bn(torch.cat(inputs[i]))
+        tgt = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step))
+        ref.zero_grad()
+        models.loss_fn(ref_out, tgt).backward()
+        stage.zero_grad()
+        stage.train_step(x, micro_loss("mean", tgt, x[:, 0], sizes), schedule=schedule)
+        # Relative to the stage's largest gradient: a bias right before a BatchNorm has a gradient of zero in exact
+        # arithmetic, so only rounding noise is left of it on both sides.
+        scale = max(ref_params[n].grad.abs().max().item() for n, _ in stage.named_parameters())
+        diffs = [(p.grad - ref_params[n].grad).abs().max().item() / scale for n, p in stage.named_parameters()]
+        errs["grad"] = max([errs["grad"], *diffs])
+    for name, module in stage.named_children():
+        if int(name) in full_bn:
+            bn = full_bn[int(name)]
+            errs["mean"] = max(errs["mean"], rel_err(module.running_mean, bn.running_mean))
+            errs["var"] = max(errs["var"], rel_err(module.running_var, bn.running_var))
+            errs["tracked"] = float(int(module.num_batches_tracked) != 2)
+    return errs
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.timeout(120)
+def test_deferred_batchnorm_under_both_schedules(schedule: str) -> None:
+    for rank, errs in enumerate(run_distributed(batchnorm_worker, 2, schedule, timeout=100)):
+        assert all(v <= TOL for v in errs.values()), (rank, errs)
+
+
+def bad_loss_worker(rank: int, world_size: int) -> str:
+    stage = GPipeStage(models.mlp(), chunks=2, balance=[4, 4])
+    try:
+        stage.train_step(models.make_input("mlp", 6), lambda y, m: y)  # not a scalar
+    except PipelineError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_that_is_not_a_scalar_fails_every_stage_with_the_reason() -> None:
+    for rank, message in enumerate(run_distributed(bad_loss_worker, 2, timeout=100)):
+        assert "must be a scalar tensor, got a tensor of shape (3, 8)" in message, (rank, message)

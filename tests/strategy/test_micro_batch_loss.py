@@ -1,0 +1,152 @@
+"""The loss inside the pipeline (``pipeline_loss``): the same run, logs and metrics as the plain Trainer's."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torchmetrics import MeanSquaredError
+
+from tests.helpers.launch import quiet_trainer, run_distributed
+from tests.helpers.tiny_fit import BATCH, STEPS, TOL, TinyPipelined, dataset
+
+LOGGED = ("train_loss", "train_mse", "inner_l1", "inner_sum")
+
+
+class HookModule(TinyPipelined):
+    """TinyPipelined with its loss as ``pipeline_loss``: a torchmetrics object and values logged inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_mse = MeanSquaredError()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        loss = self.pipeline_loss(self.backbone(self.prefix(x)), batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        _, y = batch
+        pred = self.head(output)
+        self.train_mse(pred, y)
+        self.log("train_mse", self.train_mse, on_epoch=True)
+        self.log("inner_l1", F.l1_loss(pred, y))
+        self.log("inner_sum", (pred - y).abs().sum(), reduce_fx="sum")
+        return F.mse_loss(pred, y)
+
+
+class Shards(Sampler):
+    """The plain run's batches: each step, the dp replicas' batches joined (what DistributedSampler gives each)."""
+
+    def __init__(self, dp: int) -> None:
+        self.shards = [list(DistributedSampler(dataset(), num_replicas=dp, rank=d, seed=0)) for d in range(dp)]
+
+    def __iter__(self) -> Any:
+        for step in range(len(self.shards[0]) // BATCH):
+            for shard in self.shards:
+                yield from shard[step * BATCH : (step + 1) * BATCH]
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.shards)
+
+
+def fit(strategy: Any, devices: int, dp: int, accumulate: int, clip: float | None) -> tuple[HookModule, dict]:
+    module = HookModule()
+    trainer = quiet_trainer(
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+    )
+    loader = (
+        DataLoader(dataset(), batch_size=BATCH)
+        if devices > 1
+        else DataLoader(dataset(), batch_size=BATCH * dp, sampler=Shards(dp))
+    )
+    trainer.fit(module, loader)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return module, metrics
+
+
+def worker(rank: int, world_size: int, pp: int, schedule: str, accumulate: int, clip: float | None) -> dict:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    strategy = GPipeStrategy(chunks=4, pipeline_parallel_size=pp, schedule=schedule)
+    module, metrics = fit(strategy, world_size, 1, accumulate, clip)
+    return {
+        "params": {n: p.detach().tolist() for n, p in module.named_parameters()},
+        "metrics": metrics,
+        "micro": strategy._micro is not None,
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("world_size", "pp", "schedule", "accumulate", "clip"),
+    [(2, 2, "1f1b", 1, None), (2, 2, "gpipe", 2, 0.05), (4, 2, "1f1b", 1, 0.05), (3, 3, "1f1b", 1, None)],
+)
+def test_loss_inside_the_pipeline_is_the_plain_run(
+    world_size: int, pp: int, schedule: str, accumulate: int, clip: float | None
+) -> None:
+    """Weights equal the plain Trainer's (≤ 1e-6); on dp = 1 every logged value and the metric's epoch state too,
+    on every stage: the loss, a torchmetrics object updated per micro-batch, a mean and a sum logged inside."""
+    dp = world_size // pp
+    results = run_distributed(worker, world_size, pp, schedule, accumulate, clip, timeout=280, lightning=True)
+    warnings.simplefilter("ignore")
+    plain, plain_metrics = fit("auto", 1, dp, accumulate, clip)
+    expected = dict(plain.named_parameters())
+    for rank, r in enumerate(results):
+        assert r["micro"], "pipeline_loss defined: the loss ran inside the pipeline"
+        assert len(r["params"]) > 4, rank
+        for name, value in r["params"].items():
+            ref = expected[name].detach()
+            err = ((torch.tensor(value) - ref).abs().max() / ref.abs().max()).item()
+            assert err <= TOL, (rank, name, err)
+        if dp == 1:
+            for key in (*LOGGED, "train_mse_epoch"):
+                got, want = r["metrics"][key], plain_metrics[key]
+                assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, key, got, want)
+    for start in range(0, world_size, pp):  # every stage of a pipeline logged the same values
+        assert len({tuple(sorted(r["metrics"].items())) for r in results[start : start + pp]}) == 1
+
+
+class OutsideTerm(HookModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return self.pipeline_loss(self.backbone(self.prefix(x)), batch) + 0.1 * self.prefix.weight.square().sum()
+
+
+class MarkerMisuse(HookModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.head(self.backbone(self.prefix(x))), y)
+
+
+def misuse_worker(rank: int, world_size: int, kind: str) -> str:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = {"outside": OutsideTerm, "marker": MarkerMisuse}[kind]()
+    trainer = quiet_trainer(devices=world_size, strategy=GPipeStrategy(chunks=2), max_steps=1)
+    try:
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    except Exception as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [("outside", "move every term of the loss into it"), ("marker", "pass it straight to self.pipeline_loss")],
+)
+def test_misuse_fails_on_every_rank_with_the_fix(kind: str, says: str) -> None:
+    for rank, message in enumerate(run_distributed(misuse_worker, 2, kind, timeout=180, lightning=True)):
+        assert says in message, (rank, message)
