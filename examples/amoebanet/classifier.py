@@ -105,9 +105,13 @@ class ImageClassifier(pl.LightningModule):
         if self.hparams.pretrained is not None and self.trainer.ckpt_path is None:
             load_weights(Path(self.hparams.pretrained), self, skip=("backbone.classifier.",))
 
+    def pipeline_loss(self, logits: Tensor, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """Cross-entropy, a mean over the images. Under GPipeStrategy it runs inside the pipeline, per micro-batch
+        on the last stage."""
+        return F.cross_entropy(logits, batch[1], label_smoothing=self.hparams.label_smoothing)
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        images, labels = batch
-        loss = F.cross_entropy(self(images), labels, label_smoothing=self.hparams.label_smoothing)
+        loss = self.pipeline_loss(self(batch[0]), batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

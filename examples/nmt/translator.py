@@ -125,17 +125,24 @@ class Translator(pl.LightningModule):
         assert self.backbone is not None, "call configure_model() first (the Trainer does)"
         return self.backbone((src, tgt_in))
 
-    def _loss(self, batch: Batch, label_smoothing: float) -> Tensor:
-        logits = self(batch["src"], batch["tgt_in"])
+    def pipeline_loss(self, logits: Tensor, batch: Batch, label_smoothing: float | None = None) -> Tensor:
+        """Cross-entropy averaged over the target tokens that are not padding. Under GPipeStrategy it runs inside
+        the pipeline, per micro-batch on the last stage (weighted by :meth:`pipeline_loss_count`)."""
+        smoothing = self.hparams.label_smoothing if label_smoothing is None else label_smoothing
         return F.cross_entropy(
-            logits.flatten(0, 1).float(),
+            # At least fp32 (a bf16 head's logits), float64 kept (the parity tests' precision).
+            logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
             batch["tgt_out"].flatten(),
             ignore_index=self.hparams.pad_id,
-            label_smoothing=label_smoothing,
+            label_smoothing=smoothing,
         )
 
+    def pipeline_loss_count(self, batch: Batch, label_smoothing: float | None = None) -> Tensor:
+        """What :meth:`pipeline_loss` averages over: a micro-batch's share of the loss is its share of these tokens."""
+        return (batch["tgt_out"] != self.hparams.pad_id).sum()
+
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss = self._loss(batch, self.hparams.label_smoothing)
+        loss = self.pipeline_loss(self(batch["src"], batch["tgt_in"]), batch)
         self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["src"]))
         return loss
 
@@ -154,7 +161,12 @@ class Translator(pl.LightningModule):
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         n = len(batch["src"])
         # Plain cross-entropy: comparable across label-smoothing settings.
-        self.log("val_loss", self._loss(batch, 0.0), sync_dist=True, batch_size=n)
+        self.log(
+            "val_loss",
+            self.pipeline_loss(self(batch["src"], batch["tgt_in"]), batch, 0.0),
+            sync_dist=True,
+            batch_size=n,
+        )
         data = getattr(self.trainer, "datamodule", None)
         limit = self.hparams.bleu_batches
         if not (hasattr(data, "decode") and hasattr(data, "references")) or (limit is not None and batch_idx >= limit):
