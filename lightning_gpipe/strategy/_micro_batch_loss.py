@@ -26,10 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
-from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes
+from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
 from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, replay, step_only_metrics
+from lightning_gpipe.strategy._split_check import check_split_invariance
 
 HOOK, COUNT = "pipeline_loss", "pipeline_loss_count"
 
@@ -68,17 +70,28 @@ class PipelineOutput:
 class MicroBatchLoss:
     """Runs one training step's ``pipeline_loss`` inside the pipeline and keeps its gradients for ``backward``."""
 
-    def __init__(self, stage: GPipeStage, schedule: ScheduleName, batch_dim: int, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, stage: GPipeStage, schedule: ScheduleName, batch_dim: int, group: dist.ProcessGroup, plugin: Any
+    ) -> None:
         self.stage, self.schedule, self.batch_dim, self.group = stage, schedule, batch_dim, group
+        self.plugin = plugin  # its GradScaler, if any, scales each micro-batch's loss (read at each step)
         self.last = dist.get_global_rank(group, stage.num_stages - 1) if stage.num_stages > 1 else None
         self.loss: float | None = None  # the step's loss, once pipeline_loss ran
+        self.checked_epoch: int | None = None  # the split-invariance check runs at each epoch's first step
         self.grads: dict[nn.Parameter, Tensor] = {}
         self._output: PipelineOutput | None = None
 
+    @property
+    def ran(self) -> bool:
+        """Whether this training step ran pipeline_loss inside the pipeline, whose gradients wait for backward."""
+        return self.loss is not None
+
     @contextmanager
-    def training_step(self, module: Any, accumulate: int, scale: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    def training_step(self, module: Any, accumulate: int) -> Iterator[None]:
         """While the user's training_step runs: the backbone gives a marker, ``pipeline_loss`` runs the pipeline."""
         stage, self.loss, self._output, self.grads = self.stage, None, None, {}
+        scaler = getattr(self.plugin, "scaler", None)
+        scale: Callable[[Tensor], Tensor] = scaler.scale if scaler is not None else (lambda t: t)
         real_forward = stage.forward
 
         def capture(input: Any = None) -> Any:
@@ -164,10 +177,15 @@ class MicroBatchLoss:
         else:
             weights = [n / sum(sizes) for n in sizes]
         recorder, losses, increments = LogRecorder(module), [], {}  # type: ignore[var-annotated]
+        epoch = module.trainer.current_epoch
+        check, kept = len(sizes) >= 2 and epoch != self.checked_epoch, []
+        self.checked_epoch = epoch
         real_log, real_log_dict = module.log, module.log_dict
 
         def loss_fn(y: Any, m: int) -> Tensor:
             a, k = pieces[m]
+            if check and m < 2:
+                kept.append(tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, y))
             recorder.weight = weights[m]
             module.log, module.log_dict = recorder.log, recorder.log_dict
             try:
@@ -185,15 +203,20 @@ class MicroBatchLoss:
             self.stage.train_step(input, loss_fn, schedule=self.schedule)
         try:
             logs = recorder.combined(len(sizes))
+            if check:
+                precise = not torch.is_autocast_enabled(tensors(kept[0])[0].device.type) and all(
+                    t.dtype in (torch.float32, torch.float64) for t in tensors(kept[0]) if t.is_floating_point()
+                )
+                arguments = (args, kwargs)
+                check_split_invariance(module, hook, count, kept, arguments, sum(sizes), self.batch_dim, precise)
             return {"loss": math.fsum(float(t) for t in losses), "logs": logs, "metrics": increments}
         except Exception as e:  # the other stages wait for this broadcast: they must learn why it failed
             return {"error": f"{type(e).__name__}: {e}"}
 
     @classmethod
-    def choose(
-        cls, module: Any, setting: Any, stage: GPipeStage, schedule: ScheduleName, batch_dim: int, group: Any
-    ) -> MicroBatchLoss | None:
-        """This path when ``setting`` is True, or "auto" and the module defines ``pipeline_loss``; else None."""
+    def choose(cls, module: Any, setting: Any, *args: Any) -> MicroBatchLoss | None:
+        """This path (``args`` as for the constructor) when ``setting`` is True, or "auto" and the module defines
+        ``pipeline_loss``; else None."""
         defined = callable(getattr(module, HOOK, None))
         if setting is True and not defined:
             raise TypeError(
@@ -201,7 +224,7 @@ class MicroBatchLoss:
                 "batch), called in training_step as self.pipeline_loss(self.backbone(x), batch); define it, or "
                 "micro_batch_loss='auto'"
             )
-        return cls(stage, schedule, batch_dim, group) if defined and setting is not False else None
+        return cls(*args) if defined and setting is not False else None
 
     def check_closure_loss(self, closure_loss: Tensor, accumulate: int) -> None:
         """The loss Lightning back-propagates must be pipeline_loss's (÷ ``accumulate`` in automatic optimization):
@@ -215,12 +238,14 @@ class MicroBatchLoss:
                 "so move every term of the loss into it, or set micro_batch_loss=False"
             )
 
-    def add_gradients(self) -> None:
-        """In ``backward``: the step's gradients into ``.grad`` (after Lightning's zero_grad, if it ran)."""
+    def add_gradients(self, reduce: Callable[[], None] | None) -> None:
+        """In ``backward``: the step's gradients into ``.grad`` (after Lightning's zero_grad, if it ran), then
+        ``reduce`` them (None while an accumulation window goes on)."""
         for p, g in self.grads.items():
             p.grad = g if p.grad is None else p.grad + g
-        self.grads = {}
-        self.loss = None
+        self.grads, self.loss = {}, None
+        if reduce is not None:
+            reduce()
 
 
 def _never_called(y: Any, m: int) -> Tensor:

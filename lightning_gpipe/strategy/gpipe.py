@@ -232,8 +232,8 @@ class GPipeStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_size_mb * 2**20))
-        args = (self.micro_batch_loss, self.stage, self.schedule, self.batch_dim, mesh.header_group)
-        self._micro = MicroBatchLoss.choose(module, *args)
+        args = (self.stage, self.schedule, self.batch_dim, mesh.header_group, self.precision_plugin)
+        self._micro = MicroBatchLoss.choose(module, self.micro_batch_loss, *args)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_check.start_fit()
@@ -272,9 +272,7 @@ class GPipeStrategy(ParallelStrategy):
             if self._micro is None:
                 output = self._from_last_stage(super().training_step(*args, **kwargs))
             else:
-                scaler = getattr(self.precision_plugin, "scaler", None)
-                scale = scaler.scale if scaler is not None else (lambda t: t)
-                with self._micro.training_step(self.lightning_module, trainer.accumulate_grad_batches, scale):
+                with self._micro.training_step(self.lightning_module, trainer.accumulate_grad_batches):
                     output = super().training_step(*args, **kwargs)
         if self._rank_pipeline.step_audit is not None:
             self._rank_pipeline.step_audit(stage, batch)
@@ -302,15 +300,14 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         assert self.lightning_module is not None
-        module, plugin, micro = self.lightning_module, self.precision_plugin, self._micro
+        module, plugin = self.lightning_module, self.precision_plugin
+        micro = self._micro if self._micro is not None and self._micro.ran else None  # the gradients exist already
         self.pre_backward(closure_loss)
-        if micro is not None and micro.loss is not None:  # the step's gradients exist: pipeline_loss ran
+        if micro is not None:
             micro.check_closure_loss(closure_loss, self._trainer.accumulate_grad_batches)
         closure_loss = plugin.pre_backward(closure_loss, module)
-        if micro is not None and micro.loss is not None:
-            micro.add_gradients()
-            if not self._sync_blocked:
-                self._rank_pipeline.reduce()
+        if micro is not None:
+            micro.add_gradients(None if self._sync_blocked else self._rank_pipeline.reduce)
         else:
             backprop = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)  # on the last stage
             pipeline = self._rank_pipeline

@@ -129,11 +129,23 @@ class MarkerMisuse(HookModule):
         return F.mse_loss(self.head(self.backbone(self.prefix(x))), y)
 
 
+class BatchStatistic(HookModule):
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        pred = self.head(output)
+        return F.mse_loss(pred - pred.mean(0), batch[1])  # centred on the batch: not a mean of per-sample terms
+
+
+class SumOverSamples(HookModule):
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return F.mse_loss(self.head(output), batch[1], reduction="sum")  # a sum: needs pipeline_loss_count = 1
+
+
 def misuse_worker(rank: int, world_size: int, kind: str) -> str:
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")
-    module = {"outside": OutsideTerm, "marker": MarkerMisuse}[kind]()
+    kinds = {"outside": OutsideTerm, "marker": MarkerMisuse, "statistic": BatchStatistic, "sum": SumOverSamples}
+    module = kinds[kind]()
     trainer = quiet_trainer(devices=world_size, strategy=GPipeStrategy(chunks=2), max_steps=1)
     try:
         trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
@@ -145,7 +157,12 @@ def misuse_worker(rank: int, world_size: int, kind: str) -> str:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("kind", "says"),
-    [("outside", "move every term of the loss into it"), ("marker", "pass it straight to self.pipeline_loss")],
+    [
+        ("outside", "move every term of the loss into it"),
+        ("marker", "pass it straight to self.pipeline_loss"),
+        ("statistic", "pipeline_loss does not add up over micro-batches: the loss is"),
+        ("sum", "define pipeline_loss_count(batch)"),
+    ],
 )
 def test_misuse_fails_on_every_rank_with_the_fix(kind: str, says: str) -> None:
     for rank, message in enumerate(run_distributed(misuse_worker, 2, kind, timeout=180, lightning=True)):
