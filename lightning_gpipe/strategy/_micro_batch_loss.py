@@ -29,11 +29,14 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
+from lightning_gpipe.pipe.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
 from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, replay, step_only_metrics
 from lightning_gpipe.strategy._split_check import check_split_invariance
 
 HOOK, COUNT = "pipeline_loss", "pipeline_loss_count"
+# Starts the reduction of this stage's own gradients; finishes the whole reduction given what start returned.
+Reduction = tuple[Callable[[], PendingReduction], Callable[[PendingReduction | None], None]]
 
 
 def _misuse(what: str) -> TypeError:
@@ -79,6 +82,7 @@ class MicroBatchLoss:
         self.loss: float | None = None  # the step's loss, once pipeline_loss ran
         self.checked_epoch: int | None = None  # the split-invariance check runs at each epoch's first step
         self.grads: dict[nn.Parameter, Tensor] = {}
+        self.reduced = False  # this step's gradients were reduced during the step
         self._output: PipelineOutput | None = None
 
     @property
@@ -87,9 +91,13 @@ class MicroBatchLoss:
         return self.loss is not None
 
     @contextmanager
-    def training_step(self, module: Any, accumulate: int) -> Iterator[None]:
-        """While the user's training_step runs: the backbone gives a marker, ``pipeline_loss`` runs the pipeline."""
+    def training_step(self, module: Any, accumulate: int, reduction: Reduction | None) -> Iterator[None]:
+        """While the user's training_step runs: the backbone gives a marker, ``pipeline_loss`` runs the pipeline.
+
+        ``reduction`` (start, finish): reduce the step's gradients as soon as this stage's drain ends, overlapping
+        the other stages' -- when they are the only gradients (what Lightning's zero_grad leaves before backward)."""
         stage, self.loss, self._output, self.grads = self.stage, None, None, {}
+        self.reduced = reduction is not None
         scaler = getattr(self.plugin, "scaler", None)
         scale: Callable[[Tensor], Tensor] = scaler.scale if scaler is not None else (lambda t: t)
         real_forward = stage.forward
@@ -109,7 +117,7 @@ class MicroBatchLoss:
                 return hook(output, *args, **kwargs)  # a whole output (validation, or computed outside the backbone)
             if self.loss is not None:
                 raise RuntimeError("self.pipeline_loss ran twice on the backbone's output in one training step")
-            return self._run(module, hook, output.input, args, kwargs, accumulate, scale)
+            return self._run(module, hook, output.input, args, kwargs, accumulate, scale, reduction)
 
         stage.forward = capture  # type: ignore[method-assign]
         module.pipeline_loss = pipeline_loss
@@ -130,6 +138,7 @@ class MicroBatchLoss:
         kwargs: dict,
         accumulate: int,
         scale: Callable[[Tensor], Tensor],
+        reduction: Reduction | None,
     ) -> Tensor:
         stage = self.stage
         device = _device_of(stage)
@@ -138,11 +147,15 @@ class MicroBatchLoss:
         for p in params:
             p.grad = None
         payload: dict[str, Any] = {}
+        started: list[PendingReduction] = []
+        drained = (lambda: started.append(reduction[0]())) if reduction is not None else None
         try:
             if stage.is_last:
-                payload = self._last_stage(module, hook, input, args, kwargs, accumulate, scale)
+                payload = self._last_stage(module, hook, input, args, kwargs, accumulate, scale, drained)
             else:
-                stage.train_step(input, _never_called, schedule=self.schedule)
+                stage.train_step(input, _never_called, schedule=self.schedule, drained=drained)
+            if reduction is not None:  # while the step's gradients are the only ones in .grad
+                reduction[1](started[0] if started else None)
         finally:
             self.grads = {p: p.grad for p in params if p.grad is not None}
             for p, g in zip(params, parked):
@@ -167,6 +180,7 @@ class MicroBatchLoss:
         kwargs: dict,
         accumulate: int,
         scale: Callable[[Tensor], Tensor],
+        drained: Callable[[], None] | None,
     ) -> dict[str, Any]:
         sizes = micro_batch_sizes(batch_size(input, self.batch_dim), self.stage.chunks)
         pieces = split_by_sizes((args, kwargs), sizes, self.batch_dim)
@@ -200,7 +214,7 @@ class MicroBatchLoss:
             return scale(loss * (weights[m] / accumulate))
 
         with step_only_metrics(module, increments):
-            self.stage.train_step(input, loss_fn, schedule=self.schedule)
+            self.stage.train_step(input, loss_fn, schedule=self.schedule, drained=drained)
         try:
             logs = recorder.combined(len(sizes))
             if check:
@@ -240,11 +254,11 @@ class MicroBatchLoss:
 
     def add_gradients(self, reduce: Callable[[], None] | None) -> None:
         """In ``backward``: the step's gradients into ``.grad`` (after Lightning's zero_grad, if it ran), then
-        ``reduce`` them (None while an accumulation window goes on)."""
+        ``reduce`` them (None while an accumulation window goes on), unless that happened in the step already."""
         for p, g in self.grads.items():
             p.grad = g if p.grad is None else p.grad + g
         self.grads, self.loss = {}, None
-        if reduce is not None:
+        if reduce is not None and not self.reduced:
             reduce()
 
 

@@ -172,6 +172,11 @@ class RankPipeline:
         if reduce:
             self.reduce(own[0] if own else None)
 
+    def start_reduction(self) -> PendingReduction:
+        """Launch the dp reduction of this stage's own gradients (complete once its drain ended); see :meth:`reduce`."""
+        assert self._dp_reduce is not None, "connect() first"
+        return self._dp_reduce.start()
+
     def reduce(self, started: PendingReduction | None = None) -> None:
         """Sum the gradients of weights with copies on other stages, average every gradient over the replicas
         (``started``: the own buckets already on their way)."""

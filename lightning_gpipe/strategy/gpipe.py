@@ -272,7 +272,11 @@ class GPipeStrategy(ParallelStrategy):
             if self._micro is None:
                 output = self._from_last_stage(super().training_step(*args, **kwargs))
             else:
-                with self._micro.training_step(self.lightning_module, trainer.accumulate_grad_batches):
+                # One micro-step per optimizer step: what is kept aside was reduced; only the new gradients need it.
+                A, pipeline = trainer.accumulate_grad_batches, self._rank_pipeline
+                early = trainer.lightning_module.automatic_optimization and A == 1 and not self._sync_blocked
+                reduction = (pipeline.start_reduction, pipeline.reduce) if early else None
+                with self._micro.training_step(self.lightning_module, A, reduction):
                     output = super().training_step(*args, **kwargs)
         if self._rank_pipeline.step_audit is not None:
             self._rank_pipeline.step_audit(stage, batch)

@@ -56,8 +56,20 @@ class TinyPipelined(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
-def lightning_module(momentum: float = 0.0, tied: bool = False) -> TinyPipelined:
-    return TinyPipelined(momentum=momentum, tied=tied)
+class TinyHooked(TinyPipelined):
+    """The same, with its loss as ``pipeline_loss``: GPipeStrategy runs it inside the pipeline."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.pipeline_loss(self.backbone(self.prefix(batch[0])), batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def pipeline_loss(self, output, batch):
+        return F.mse_loss(self.head(output), batch[1])
+
+
+def lightning_module(momentum: float = 0.0, tied: bool = False, hooked: bool = False) -> TinyPipelined:
+    return (TinyHooked if hooked else TinyPipelined)(momentum=momentum, tied=tied)
 
 
 def reference(dp: int, clip: float | None, tied: bool = False) -> dict[str, torch.Tensor]:

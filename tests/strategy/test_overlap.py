@@ -16,7 +16,7 @@ from tests.helpers.tiny_fit import BATCH, STEPS, TOL, dataset, lightning_module,
 SLOW_S = 1.0  # stage 0's drain made this much longer than the last stage's (a margin for a loaded machine)
 
 
-def overlap_worker(rank: int, world_size: int) -> dict[str, Any]:
+def overlap_worker(rank: int, world_size: int, hooked: bool) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -44,9 +44,22 @@ def overlap_worker(rank: int, world_size: int) -> dict[str, Any]:
         launches.append((time.perf_counter_ns(), ranks, str(tensor.dtype)))
         return launch(tensor, *args, group=group, **kwargs)
 
+    train_step = GPipeStage.train_step
+
+    def slow_step(self: GPipeStage, *args: Any, drained: Any = None, **kwargs: Any) -> Any:
+        def timed() -> None:  # the loss inside the pipeline: stage 0's last backward made slow
+            if self.is_first:
+                time.sleep(SLOW_S)
+            drain_ends.append(time.perf_counter_ns())
+            if drained is not None:
+                drained()
+
+        return train_step(self, *args, drained=timed, **kwargs)
+
     GPipeStage.backward = slow_drain  # type: ignore[method-assign]
+    GPipeStage.train_step = slow_step  # type: ignore[method-assign]
     dist.all_reduce = logged
-    module = lightning_module()
+    module = lightning_module(hooked=hooked)
     trainer = quiet_trainer(
         devices=world_size, strategy=GPipeStrategy(chunks=3, pipeline_parallel_size=2), max_steps=STEPS
     )
@@ -66,8 +79,9 @@ def overlap_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
-def test_last_stage_reduces_its_own_gradients_while_stage_0_drains() -> None:
-    results = run_distributed(overlap_worker, 4, timeout=280, lightning=True)
+@pytest.mark.parametrize("hooked", [False, True], ids=["loss between the phases", "loss inside the pipeline"])
+def test_last_stage_reduces_its_own_gradients_while_stage_0_drains(hooked: bool) -> None:
+    results = run_distributed(overlap_worker, 4, hooked, timeout=280, lightning=True)
     for rank, r in enumerate(results):
         assert r["error"] <= TOL, (rank, r["error"])
         assert len(r["drain_ends"]) == STEPS, (rank, r)
