@@ -97,6 +97,7 @@ class MicroBatchLoss:
         ``reduction`` (start, finish): reduce the step's gradients as soon as this stage's drain ends, overlapping
         the other stages' -- when they are the only gradients (what Lightning's zero_grad leaves before backward)."""
         stage, self.loss, self._output, self.grads = self.stage, None, None, {}
+        consumed: list[bool] = []
         self.reduced = reduction is not None
         scaler = getattr(self.plugin, "scaler", None)
         scale: Callable[[Tensor], Tensor] = scaler.scale if scaler is not None else (lambda t: t)
@@ -115,15 +116,16 @@ class MicroBatchLoss:
         def pipeline_loss(output: Any, *args: Any, **kwargs: Any) -> Tensor:
             if not isinstance(output, PipelineOutput) or output is not self._output:
                 return hook(output, *args, **kwargs)  # a whole output (validation, or computed outside the backbone)
-            if self.loss is not None:
+            if consumed:
                 raise RuntimeError("self.pipeline_loss ran twice on the backbone's output in one training step")
+            consumed.append(True)
             return self._run(module, hook, output.input, args, kwargs, accumulate, scale, reduction)
 
         stage.forward = capture  # type: ignore[method-assign]
         module.pipeline_loss = pipeline_loss
         try:
             yield
-            if self._output is not None and self.loss is None:
+            if self._output is not None and not consumed:
                 raise _misuse("never passed to self.pipeline_loss")
         finally:
             del stage.forward

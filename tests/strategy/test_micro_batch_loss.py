@@ -55,8 +55,10 @@ class Shards(Sampler):
         return sum(len(s) for s in self.shards)
 
 
-def fit(strategy: Any, devices: int, dp: int, accumulate: int, clip: float | None) -> tuple[HookModule, dict]:
-    module = HookModule()
+def fit(
+    strategy: Any, devices: int, dp: int, accumulate: int, clip: float | None, kind: type = HookModule
+) -> tuple[HookModule, dict]:
+    module = kind()
     trainer = quiet_trainer(
         devices=devices,
         strategy=strategy,
@@ -115,6 +117,46 @@ def test_loss_inside_the_pipeline_is_the_plain_run(
                 assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (rank, key, got, want)
     for start in range(0, world_size, pp):  # every stage of a pipeline logged the same values
         assert len({tuple(sorted(r["metrics"].items())) for r in results[start : start + pp]}) == 1
+
+
+class ManualHook(HookModule):
+    """Manual optimization: zero_grad, pipeline_loss, manual_backward, step, in the user's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = self.pipeline_loss(self.backbone(self.prefix(batch[0])), batch)
+        opt.zero_grad()  # after the pipeline ran: its gradients wait for manual_backward
+        self.manual_backward(loss)
+        opt.step()
+        self.log("train_loss", loss)
+        return loss
+
+
+def manual_worker(rank: int, world_size: int) -> dict:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = ManualHook()
+    trainer = quiet_trainer(devices=world_size, strategy=GPipeStrategy(chunks=3), max_steps=STEPS)
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    return {n: p.detach().tolist() for n, p in module.named_parameters()}
+
+
+@pytest.mark.timeout(200)
+def test_manual_optimization_with_the_loss_inside_the_pipeline() -> None:
+    results = run_distributed(manual_worker, 2, timeout=180, lightning=True)
+    warnings.simplefilter("ignore")
+    plain, _ = fit("auto", 1, 1, 1, None, ManualHook)
+    expected = dict(plain.named_parameters())
+    for rank, params in enumerate(results):
+        for name, value in params.items():
+            ref = expected[name].detach()
+            err = ((torch.tensor(value) - ref).abs().max() / ref.abs().max()).item()
+            assert err <= TOL, (rank, name, err)
 
 
 class OutsideTerm(HookModule):

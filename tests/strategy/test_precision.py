@@ -34,14 +34,14 @@ class Poison(nn.Module):
         return InfOnStep.apply(x)
 
 
-def fp16_worker(rank: int, world_size: int) -> dict[str, object]:
+def fp16_worker(rank: int, world_size: int, hooked: bool) -> dict[str, object]:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")
-    module = lightning_module()
+    module = lightning_module(hooked=hooked)
     module.backbone[1] = nn.Sequential(module.backbone[1], Poison())  # layer 1 lives on stage 0
     scales, changed = [], []
 
@@ -66,8 +66,9 @@ def fp16_worker(rank: int, world_size: int) -> dict[str, object]:
 
 
 @pytest.mark.timeout(200)
-def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage() -> None:
-    results = run_distributed(fp16_worker, 2, timeout=180, lightning=True)
+@pytest.mark.parametrize("hooked", [False, True], ids=["loss between the phases", "loss inside the pipeline"])
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(hooked: bool) -> None:
+    results = run_distributed(fp16_worker, 2, hooked, timeout=180, lightning=True)
     for r in results:
         assert r["scaler"] == "ShardedGradScaler", r
         assert r["changed"][INF_STEP] is False, r  # skipped, also on stage 1 whose own gradients were finite
