@@ -91,14 +91,18 @@ class MicroBatchLoss:
         return self.loss is not None
 
     @contextmanager
-    def training_step(self, module: Any, accumulate: int, reduction: Reduction | None) -> Iterator[None]:
+    def training_step(self, trainer: Any, pipeline: Any, reduce: bool) -> Iterator[None]:
         """While the user's training_step runs: the backbone gives a marker, ``pipeline_loss`` runs the pipeline.
 
-        ``reduction`` (start, finish): reduce the step's gradients as soon as this stage's drain ends, overlapping
-        the other stages' -- when they are the only gradients (what Lightning's zero_grad leaves before backward)."""
+        ``pipeline`` (a RankPipeline) reduces the gradients. With one micro-step per optimizer step (automatic
+        optimization) the gradients kept aside were reduced already, so the step's are reduced as soon as this
+        stage's drain ends, overlapping the other stages' (else in :meth:`add_gradients`)."""
+        module, accumulate = trainer.lightning_module, trainer.accumulate_grad_batches
+        early = reduce and accumulate == 1 and module.automatic_optimization
+        reduction: Reduction | None = (pipeline.start_reduction, pipeline.reduce) if early else None
         stage, self.loss, self._output, self.grads = self.stage, None, None, {}
         consumed: list[bool] = []
-        self.reduced = reduction is not None
+        self.reduced = early
         scaler = getattr(self.plugin, "scaler", None)
         scale: Callable[[Tensor], Tensor] = scaler.scale if scaler is not None else (lambda t: t)
         real_forward = stage.forward
@@ -242,7 +246,7 @@ class MicroBatchLoss:
             )
         return cls(*args) if defined and setting is not False else None
 
-    def check_closure_loss(self, closure_loss: Tensor, accumulate: int) -> None:
+    def _check_closure_loss(self, closure_loss: Tensor, accumulate: int) -> None:
         """The loss Lightning back-propagates must be pipeline_loss's (÷ ``accumulate`` in automatic optimization):
         a term added outside it would reach no gradient."""
         assert self.loss is not None
@@ -254,9 +258,11 @@ class MicroBatchLoss:
                 "so move every term of the loss into it, or set micro_batch_loss=False"
             )
 
-    def add_gradients(self, reduce: Callable[[], None] | None) -> None:
-        """In ``backward``: the step's gradients into ``.grad`` (after Lightning's zero_grad, if it ran), then
-        ``reduce`` them (None while an accumulation window goes on), unless that happened in the step already."""
+    def add_gradients(self, closure_loss: Tensor, trainer: Any, reduce: Callable[[], None] | None) -> None:
+        """In ``backward`` of ``closure_loss`` (checked to be pipeline_loss's): the step's gradients into ``.grad``
+        (after Lightning's zero_grad, if it ran), then ``reduce`` them (None while an accumulation window goes on),
+        unless that happened in the step already."""
+        self._check_closure_loss(closure_loss, trainer.accumulate_grad_batches)
         for p, g in self.grads.items():
             p.grad = g if p.grad is None else p.grad + g
         self.grads, self.loss = {}, None

@@ -53,24 +53,18 @@ class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
 
     The backbone (``backbone``, a dotted attribute path) is split into K = ``pipeline_parallel_size`` stages, one
-    process each; the remaining processes form data-parallel replicas of the whole pipeline. The user's
-    ``training_step`` is unchanged: its call of the backbone runs the forward phase of M = ``chunks`` micro-batches
-    and gives every stage the backbone's output, so the loss, logging and metrics are the same on every rank;
-    ``backward`` drains the pipeline and reduces the gradients. With ``output="placeholder"`` (for large-vocabulary
-    heads) the output stays on the last stage: the others compute on zeros of its shape, and the step's returned values,
-    everything it logged and the module's torchmetrics states are then copied from the last stage.
-    ``trace_dir`` writes the training steps ``trace_steps`` (optimizer-step indices) as a Chrome trace and a Gantt
-    chart of every stage, with the measured bubble beside (K−1)/(M+K−1). ``balance="auto"`` (default) is "flops"
-    with an ``example_input_array``, else "parameters"; ``"flops"`` splits by each layer's forward FLOPs on one
-    micro-batch of it (on the meta device too), ``"time"`` by its forward + backward time there, measured on rank 0;
-    or give layer counts, or ``fn(i, layer) -> cost``. Every rank gets the same split, logged at setup.
-    ``check_batches``: when the stages of a pipeline compare fingerprints of their batches (which must be the same;
-    per-rank augmentation breaks that), an all-gather and a host sync each: ``"first"`` (default) training step of
-    every epoch, where samplers and worker seeds are set up, ``"always"``, or ``"never"``; never in evaluation.
-    ``micro_batch_loss``: ``"auto"`` (default) puts the loss inside the pipeline when the module defines
-    ``pipeline_loss(self, output, batch)`` and calls it as ``self.pipeline_loss(self.backbone(x), batch)``: it runs
-    per micro-batch on the last stage, by ``schedule`` ``"1f1b"`` (default) or ``"gpipe"``; logs, metrics and the
-    returned loss stay the whole batch's on every rank (see ``_micro_batch_loss``). ``False``: the path above.
+    process each; the other processes are data-parallel replicas of the pipeline. Each mini-batch runs as M =
+    ``chunks`` micro-batches. ``micro_batch_loss="auto"``: a module that defines ``pipeline_loss(self, output,
+    batch)`` and calls ``self.pipeline_loss(self.backbone(x), batch)`` gets it run per micro-batch on the last stage
+    inside the pipeline, by ``schedule`` ``"1f1b"`` or ``"gpipe"``; logs, metrics and the loss stay the whole
+    batch's on every rank. Otherwise (or ``False``) the backbone call in an unchanged ``training_step`` gives every
+    stage the whole output (``output="all"``), or zeros of its shape to all but the last (``"placeholder"``, whose
+    values, logs and metric states are then copied from the last stage); ``backward`` drains the pipeline.
+    ``balance``: ``"auto"`` is "flops" (each layer's forward FLOPs on one micro-batch of ``example_input_array``)
+    or, without one, "parameters"; also ``"time"`` (measured on rank 0), layer counts, or ``fn(i, layer) -> cost``.
+    ``trace_dir`` writes the training steps ``trace_steps`` as Chrome traces and Gantt charts of every stage.
+    ``check_batches``: when the stages compare fingerprints of their batches (which must be equal): the ``"first"``
+    training step of every epoch, ``"always"`` or ``"never"``.
     """
 
     strategy_name = "gpipe"
@@ -103,19 +97,11 @@ class GPipeStrategy(ParallelStrategy):
         self._micro: MicroBatchLoss | None = None
         self.trace_steps = check_trace_args(trace_dir, trace_steps)
         self.trace_dir = trace_dir
-        self.chunks = chunks
-        self.output = output
-        self.backbone = backbone
-        self.balance = balance
-        self.checkpoint = checkpoint
-        self.batch_dim = batch_dim
-        self.deferred_batch_norm = deferred_batch_norm
-        self.save_distributed_checkpoint = save_distributed_checkpoint
-        self.bucket_size_mb = bucket_size_mb
-        self.check_batches = check_batches
-        self._pipeline_parallel_size = pipeline_parallel_size
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self.chunks, self.backbone, self.balance, self.checkpoint = chunks, backbone, balance, checkpoint
+        self.output, self.batch_dim, self.deferred_batch_norm = output, batch_dim, deferred_batch_norm
+        self.save_distributed_checkpoint, self.bucket_size_mb = save_distributed_checkpoint, bucket_size_mb
+        self.check_batches, self._pipeline_parallel_size = check_batches, pipeline_parallel_size
+        self._process_group_backend, self._timeout = process_group_backend, timeout
         self._tracer = StepTracer(trace_dir, self.trace_steps)
         self._batch_check = BatchCheck(check_batches)
         self._pipeline_mesh: PipelineMesh | None = None
@@ -183,8 +169,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         env = self.cluster_environment
-        assert env is not None
-        if not env.creates_processes_externally:
+        if env is not None and not env.creates_processes_externally:
             self._launcher = internals.SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
@@ -272,11 +257,7 @@ class GPipeStrategy(ParallelStrategy):
             if self._micro is None:
                 output = self._from_last_stage(super().training_step(*args, **kwargs))
             else:
-                # One micro-step per optimizer step: what is kept aside was reduced; only the new gradients need it.
-                A, pipeline = trainer.accumulate_grad_batches, self._rank_pipeline
-                early = trainer.lightning_module.automatic_optimization and A == 1 and not self._sync_blocked
-                reduction = (pipeline.start_reduction, pipeline.reduce) if early else None
-                with self._micro.training_step(self.lightning_module, A, reduction):
+                with self._micro.training_step(trainer, self._rank_pipeline, reduce=not self._sync_blocked):
                     output = super().training_step(*args, **kwargs)
         if self._rank_pipeline.step_audit is not None:
             self._rank_pipeline.step_audit(stage, batch)
@@ -298,20 +279,17 @@ class GPipeStrategy(ParallelStrategy):
             return super().predict_step(*args, **kwargs)
 
     def _from_last_stage(self, step_output: Any) -> Any:
-        assert self.lightning_module is not None
-        return from_last_stage(step_output, self.stage, self.lightning_module, self._mesh.pp_group, self.root_device)
+        module, mesh = self._trainer.lightning_module, self._mesh
+        return from_last_stage(step_output, self.stage, module, mesh.pp_group, self.root_device)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         assert self.lightning_module is not None
-        module, plugin = self.lightning_module, self.precision_plugin
-        micro = self._micro if self._micro is not None and self._micro.ran else None  # the gradients exist already
+        module, plugin, loss = self.lightning_module, self.precision_plugin, closure_loss
         self.pre_backward(closure_loss)
-        if micro is not None:
-            micro.check_closure_loss(closure_loss, self._trainer.accumulate_grad_batches)
         closure_loss = plugin.pre_backward(closure_loss, module)
-        if micro is not None:
-            micro.add_gradients(None if self._sync_blocked else self._rank_pipeline.reduce)
+        if self._micro is not None and self._micro.ran:  # pipeline_loss ran: the step's gradients exist already
+            self._micro.add_gradients(loss, self._trainer, None if self._sync_blocked else self._rank_pipeline.reduce)
         else:
             backprop = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)  # on the last stage
             pipeline = self._rank_pipeline
@@ -357,10 +335,6 @@ class GPipeStrategy(ParallelStrategy):
         return world_broadcast(obj, src)
 
     @property
-    def _plain_parameter_names(self) -> list[str] | None:
-        return self._pipeline.plain_parameter_names if self._pipeline is not None else None
-
-    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the stage must exist: each rank restores only its own layers
@@ -380,7 +354,7 @@ class GPipeStrategy(ParallelStrategy):
             raise TypeError("GPipeStrategy.save_checkpoint does not take storage_options (it has no CheckpointIO)")
         path = Path(self.broadcast(str(filepath)))
         assert self.model is not None
-        sharded, order = self.save_distributed_checkpoint, self._plain_parameter_names
+        sharded, order = self.save_distributed_checkpoint, self._rank_pipeline.plain_parameter_names
         checkpointing.save(checkpoint, path, self.model, self.optimizers, self.global_rank, sharded, order)
         self.barrier()
 
@@ -389,7 +363,7 @@ class GPipeStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
-        return checkpointing.load(path, self.model, self.optimizers, strict, self._plain_parameter_names)
+        return checkpointing.load(path, self.model, self.optimizers, strict, self._rank_pipeline.plain_parameter_names)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
