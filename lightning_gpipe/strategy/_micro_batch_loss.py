@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,19 @@ def _misuse(what: str) -> TypeError:
         "on the last stage only: pass it straight to self.pipeline_loss(output, batch), which computes the loss (and "
         "logs and updates metrics) per micro-batch; or set GPipeStrategy(micro_batch_loss=False)"
     )
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call of ``pipeline_loss`` on the backbone's output: what the pipeline runs it with."""
+
+    module: Any
+    hook: Callable[..., Tensor]
+    input: Any  # the backbone's input
+    args: tuple
+    kwargs: dict
+    accumulate: int  # Lightning divides the step's loss by it
+    scale: Callable[[Tensor], Tensor]  # the loss scaler's, or the identity
 
 
 class PipelineOutput:
@@ -123,7 +137,7 @@ class MicroBatchLoss:
             if consumed:
                 raise RuntimeError("self.pipeline_loss ran twice on the backbone's output in one training step")
             consumed.append(True)
-            return self._run(module, hook, output.input, args, kwargs, accumulate, scale, reduction)
+            return self._run(_Call(module, hook, output.input, args, kwargs, accumulate, scale), reduction)
 
         stage.forward = capture  # type: ignore[method-assign]
         module.pipeline_loss = pipeline_loss
@@ -135,18 +149,8 @@ class MicroBatchLoss:
             del stage.forward
             del module.pipeline_loss
 
-    def _run(
-        self,
-        module: Any,
-        hook: Callable[..., Tensor],
-        input: Any,
-        args: tuple,
-        kwargs: dict,
-        accumulate: int,
-        scale: Callable[[Tensor], Tensor],
-        reduction: Reduction | None,
-    ) -> Tensor:
-        stage = self.stage
+    def _run(self, call: _Call, reduction: Reduction | None) -> Tensor:
+        stage, module = self.stage, call.module
         device = _device_of(stage)
         params = [p for p in module.parameters() if p.requires_grad]
         parked = [p.grad for p in params]  # Lightning zeroes .grad after training_step: the step's go aside
@@ -157,9 +161,9 @@ class MicroBatchLoss:
         drained = (lambda: started.append(reduction[0]())) if reduction is not None else None
         try:
             if stage.is_last:
-                payload = self._last_stage(module, hook, input, args, kwargs, accumulate, scale, drained)
+                payload = self._last_stage(call, drained)
             else:
-                stage.train_step(input, _never_called, schedule=self.schedule, drained=drained)
+                stage.train_step(call.input, _never_called, schedule=self.schedule, drained=drained)
             if reduction is not None:  # while the step's gradients are the only ones in .grad
                 reduction[1](started[0] if started else None)
         finally:
@@ -177,17 +181,8 @@ class MicroBatchLoss:
         self.loss = payload["loss"]
         return torch.tensor(payload["loss"], dtype=torch.float32, device=device, requires_grad=True)
 
-    def _last_stage(
-        self,
-        module: Any,
-        hook: Callable[..., Tensor],
-        input: Any,
-        args: tuple,
-        kwargs: dict,
-        accumulate: int,
-        scale: Callable[[Tensor], Tensor],
-        drained: Callable[[], None] | None,
-    ) -> dict[str, Any]:
+    def _last_stage(self, call: _Call, drained: Callable[[], None] | None) -> dict[str, Any]:
+        module, hook, input, args, kwargs = call.module, call.hook, call.input, call.args, call.kwargs
         sizes = micro_batch_sizes(batch_size(input, self.batch_dim), self.stage.chunks)
         pieces = split_by_sizes((args, kwargs), sizes, self.batch_dim)
         count = getattr(module, COUNT, None)
@@ -217,7 +212,7 @@ class MicroBatchLoss:
             if weights[m] == 0.0:  # nothing of the loss in this micro-batch (all padding): 0/0 must not reach .grad
                 return torch.zeros((), device=loss.device)
             losses.append(loss.detach().double() * weights[m])
-            return scale(loss * (weights[m] / accumulate))
+            return call.scale(loss * (weights[m] / call.accumulate))
 
         with step_only_metrics(module, increments):
             self.stage.train_step(input, loss_fn, schedule=self.schedule, drained=drained)

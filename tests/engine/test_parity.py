@@ -32,6 +32,19 @@ def _target(out: torch.Tensor, step: int) -> torch.Tensor:
     return torch.randn(out.shape, generator=torch.Generator().manual_seed(100 + step))
 
 
+def compare_grads(
+    stage: GPipeStage, ref_params: dict[str, nn.Parameter], prefixes: tuple[nn.Module, nn.Module] | None, errs: dict
+) -> int:
+    """Fold this stage's gradient errors (and the prefix's, on stage 0) into ``errs``; how many were compared."""
+    for name, p in stage.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        errs["grad"] = max(errs["grad"], rel_err(p.grad, ref_params[name].grad))
+    if prefixes is not None and stage.is_first:
+        for p, r in zip(prefixes[0].parameters(), prefixes[1].parameters()):
+            errs["prefix"] = max(errs["prefix"], rel_err(p.grad, r.grad))
+    return len(list(stage.parameters()))
+
+
 def run_case(kind: str, M: int, mode: str, balance: list[int] | str, output: str, pre: bool) -> dict[str, float]:
     """Three optimizer steps, pipelined and plain; the largest relative difference of everything comparable."""
     torch.manual_seed(1234)
@@ -60,13 +73,7 @@ def run_case(kind: str, M: int, mode: str, balance: list[int] | str, output: str
             errs["out"] = max(errs["out"], rel_err(out.detach(), ref_out.detach()))
             errs["loss"] = max(errs["loss"], rel_err(loss.detach(), ref_loss.detach()))
         stage.backward()
-        for name, p in stage.named_parameters():
-            assert p.grad is not None, f"{name} got no gradient"
-            errs["grad"] = max(errs["grad"], rel_err(p.grad, ref_params[name].grad))
-            checked += 1
-        if pre and stage.is_first:
-            for p, r in zip(prefix.parameters(), ref_prefix.parameters()):
-                errs["prefix"] = max(errs["prefix"], rel_err(p.grad, r.grad))
+        checked += compare_grads(stage, ref_params, (prefix, ref_prefix) if pre else None, errs)
         opt.step()
         ref_opt.step()
     for name, p in stage.named_parameters():
@@ -78,6 +85,17 @@ def run_case(kind: str, M: int, mode: str, balance: list[int] | str, output: str
             errs["eval"] = rel_err(out, ref_backbone(ref_prefix(x)))
     errs["params_checked"] = checked
     return errs
+
+
+def check_cases(per_rank: list[list[tuple[tuple, dict[str, float]]]]) -> int:
+    """Assert every case's errors ≤ TOL on every stage; returns how many parameters were compared."""
+    checked = 0
+    for rank, results in enumerate(per_rank):
+        for case, errs in results:
+            checked += int(errs.pop("params_checked"))
+            bad = {k: v for k, v in errs.items() if v > TOL}
+            assert not bad, f"stage {rank}, case {case}: {bad}"
+    return checked
 
 
 def parity_worker(rank: int, world_size: int) -> list[tuple[tuple, dict[str, float]]]:
@@ -96,13 +114,7 @@ def parity_worker(rank: int, world_size: int) -> list[tuple[tuple, dict[str, flo
 @pytest.mark.timeout(400)
 def test_pipeline_equals_plain_model(K: int) -> None:
     """K stages, M ∈ {1, 2, 4, 8}, every re-materialization mode, uneven and too-small batches, changing shapes."""
-    per_rank = run_distributed(parity_worker, K, timeout=380)
-    checked = 0
-    for rank, results in enumerate(per_rank):
-        for case, errs in results:
-            checked += errs.pop("params_checked")
-            bad = {k: v for k, v in errs.items() if v > TOL}
-            assert not bad, f"stage {rank}, case {case}: {bad}"
+    checked = check_cases(run_distributed(parity_worker, K, timeout=380))
     # Every parameter of every model, at every step of every case, was compared on exactly one stage.
     params = sum(len(list(make().parameters())) for make in models.MODELS.values())
     assert checked == params * len(MICRO) * len(MODES) * 3
@@ -153,6 +165,16 @@ def test_consecutive_steps_draw_new_masks() -> None:
         assert not torch.equal(stage(x), stage(x))
 
 
+def compare_running_stats(stage: GPipeStage, full_bn: dict[int, nn.Module], errs: dict) -> None:
+    """Fold the errors of this stage's running statistics against whole-batch BatchNorms (after 2 steps) into errs."""
+    for name, module in stage.named_children():
+        if int(name) in full_bn:
+            bn = full_bn[int(name)]
+            errs["mean"] = max(errs["mean"], rel_err(module.running_mean, bn.running_mean))
+            errs["var"] = max(errs["var"], rel_err(module.running_var, bn.running_var))
+            errs["tracked"] = float(int(module.num_batches_tracked) != 2)
+
+
 def batchnorm_worker(rank: int, world_size: int, mode: str, M: int) -> dict[str, float]:
     """Deferred BN: micro-batch normalization (gradients as if each micro-batch ran alone), mini-batch statistics."""
     torch.manual_seed(0)
@@ -179,12 +201,7 @@ def batchnorm_worker(rank: int, world_size: int, mode: str, M: int) -> dict[str,
         models.loss_fn(out, tgt).backward()
         stage.backward()
         errs["grad"] = max([errs["grad"]] + [rel_err(p.grad, ref_params[n].grad) for n, p in stage.named_parameters()])
-    for name, module in stage.named_children():
-        if int(name) in full_bn:
-            bn = full_bn[int(name)]
-            errs["mean"] = max(errs["mean"], rel_err(module.running_mean, bn.running_mean))
-            errs["var"] = max(errs["var"], rel_err(module.running_var, bn.running_var))
-            errs["tracked"] = float(int(module.num_batches_tracked) != 2)
+    compare_running_stats(stage, full_bn, errs)
     stage.eval()
     ref.eval()
     for i, bn in full_bn.items():

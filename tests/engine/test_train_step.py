@@ -15,7 +15,17 @@ import lightning_gpipe.pipe.train_step as train_step_module
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.errors import PipelineError
 from lightning_gpipe.pipe.train_step import OPS, LossFn, keeps_graph, one_f_one_b_ops
-from tests.engine.test_parity import BALANCES, MICRO, MODES, SHAPES, TOL, rel_err
+from tests.engine.test_parity import (
+    BALANCES,
+    MICRO,
+    MODES,
+    SHAPES,
+    TOL,
+    check_cases,
+    compare_grads,
+    compare_running_stats,
+    rel_err,
+)
 from tests.helpers import models
 from tests.helpers.launch import run_distributed
 
@@ -149,13 +159,7 @@ def run_case(kind: str, M: int, mode: str, schedule: str, balance: list[int], lo
             errs["loss"] = max(errs["loss"], rel_err(torch.stack(losses).sum(), ref_loss.detach()))
         else:
             assert losses == []
-        for name, p in stage.named_parameters():
-            assert p.grad is not None, f"{name} got no gradient"
-            errs["grad"] = max(errs["grad"], rel_err(p.grad, ref_params[name].grad))
-            checked += 1
-        if kind == "mlp" and stage.is_first:
-            for p, r in zip(prefix.parameters(), ref_prefix.parameters()):
-                errs["prefix"] = max(errs["prefix"], rel_err(p.grad, r.grad))
+        checked += compare_grads(stage, ref_params, (prefix, ref_prefix) if kind == "mlp" else None, errs)
         opt.step()
         ref_opt.step()
     for name, p in stage.named_parameters():
@@ -181,13 +185,7 @@ def parity_worker(rank: int, world_size: int) -> list[tuple[tuple, dict[str, flo
 def test_loss_in_the_pipeline_equals_plain_model(K: int) -> None:
     """Both schedules, K stages, M ∈ {1, 2, 4, 8} (M < K too), every re-materialization mode, uneven and too-small
     batches, changing shapes, a mean over samples and a mean over tokens (weights n_m/N and tokens_m/tokens)."""
-    per_rank = run_distributed(parity_worker, K, timeout=380)
-    checked = 0
-    for rank, results in enumerate(per_rank):
-        for case, errs in results:
-            checked += errs.pop("params_checked")
-            bad = {k: v for k, v in errs.items() if v > TOL}
-            assert not bad, f"stage {rank}, case {case}: {bad}"
+    checked = check_cases(run_distributed(parity_worker, K, timeout=380))
     counts = {kind: len(list(make().parameters())) for kind, make in models.MODELS.items()}
     assert checked == sum(counts[case[0]] for case in CASES) * 3
 
@@ -222,12 +220,7 @@ def batchnorm_worker(rank: int, world_size: int, schedule: str) -> dict[str, flo
         scale = max(ref_params[n].grad.abs().max().item() for n, _ in stage.named_parameters())
         diffs = [(p.grad - ref_params[n].grad).abs().max().item() / scale for n, p in stage.named_parameters()]
         errs["grad"] = max([errs["grad"], *diffs])
-    for name, module in stage.named_children():
-        if int(name) in full_bn:
-            bn = full_bn[int(name)]
-            errs["mean"] = max(errs["mean"], rel_err(module.running_mean, bn.running_mean))
-            errs["var"] = max(errs["var"], rel_err(module.running_var, bn.running_var))
-            errs["tracked"] = float(int(module.num_batches_tracked) != 2)
+    compare_running_stats(stage, full_bn, errs)
     return errs
 
 
