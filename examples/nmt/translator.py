@@ -59,6 +59,8 @@ class Translator(pl.LightningModule):
         max_new_tokens: a translation stops after ``source length + max_new_tokens`` tokens at most.
         bleu_batches: translate only the first this many validation batches per replica (decoding is the slow
             part); None translates all, 0 none.
+        example_batch: (sentences, tokens) of a typical batch: sets ``example_input_array`` (padding ids, no
+            memory), which ``GPipeStrategy(balance="auto")`` counts each layer's FLOPs on; None leaves it unset.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Translator(pl.LightningModule):
         length_penalty: float = 0.6,
         max_new_tokens: int = 16,
         bleu_batches: int | None = None,
+        example_batch: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if decoding not in ("greedy", "beam"):
@@ -97,6 +100,9 @@ class Translator(pl.LightningModule):
         with torch.device("meta"):  # checks the architecture's arguments now, allocating nothing
             self._build()
         self.backbone: nn.Module | None = None
+        if example_batch is not None:  # only the shapes matter: one pad id expanded, no memory
+            ids = torch.full((), pad_id, dtype=torch.long).expand(*example_batch)
+            self.example_input_array = (ids, ids)
         from torchmetrics.text import SacreBLEUScore
 
         self.bleu = SacreBLEUScore()

@@ -160,3 +160,20 @@ def test_backbone_is_built_by_configure_model() -> None:
     module.configure_model()
     assert isinstance(module.backbone, nn.Sequential)
     assert module.backbone.src_embed.weight is module.backbone.project.weight
+
+
+def test_example_batch_lets_balance_count_each_layers_flops() -> None:
+    """``example_batch=(N, T)``: an example_input_array of padding ids (no memory), on which balance="flops"
+    counts every layer; the vocabulary projection, the last layer, is costlier than the embedding, the first."""
+    from lightning_gpipe.strategy._balance import layer_costs
+
+    module = Translator(**TINY, example_batch=(6, 9))
+    src, tgt = module.example_input_array
+    assert src.shape == tgt.shape == (6, 9) and int(src.max()) == int(src.min()) == PAD
+    assert src.untyped_storage().nbytes() == 8  # one id, expanded
+    with torch.device("meta"):
+        module.configure_model()
+    assert module.backbone is not None
+    costs = layer_costs(module, module.backbone, "flops", CHUNKS, torch.device("meta"))
+    assert len(costs) == len(module.backbone) and all(c > 0 for c in costs[1:])
+    assert costs[-1] > costs[0]
