@@ -283,6 +283,7 @@ class GPipeStage(nn.Module):
         *,
         schedule: ScheduleName = "1f1b",
         drained: Callable[[], None] | None = None,
+        before_last_backward: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
         """A whole training step with the loss inside the pipeline, forward and backward (see ``train_step``).
 
@@ -290,12 +291,14 @@ class GPipeStage(nn.Module):
         output as soon as it exists and back-propagates the scalar it returns at once (weight it: ``n_m / N`` for a
         mean over samples, see :meth:`micro_batch_sizes`); it returns those scalars, detached, the other stages [].
         ``schedule`` is ``"1f1b"`` (at most K − k micro-batches in flight on stage k) or ``"gpipe"`` (all M).
-        ``drained`` runs once this stage's gradients are complete, before waiting for the other stages.
+        ``drained`` runs once this stage's gradients are complete, before waiting for the other stages;
+        ``before_last_backward`` right before the stage's last backward op (e.g. to reduce gradients as they end).
         """
         self._failures.check_usable()
         if self._step is not None:
             raise RuntimeError("train_step() was called while a forward phase awaits its backward(): drain it first")
-        return train_step(self._schedule, input, self._chunks, loss_fn, validate_schedule(schedule), drained)
+        name = validate_schedule(schedule)
+        return train_step(self._schedule, input, self._chunks, loss_fn, name, drained, before_last_backward)
 
     def micro_batch_sizes(self, input: Any) -> list[int]:
         """n_m of each micro-batch this stage's pipeline splits ``input`` into (the same on every stage)."""

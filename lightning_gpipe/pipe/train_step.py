@@ -84,12 +84,14 @@ def train_step(
     loss_fn: LossFn,
     schedule: ScheduleName,
     drained: Callable[[], None] | None = None,
+    before_last_backward: Callable[[], None] | None = None,
 ) -> list[torch.Tensor]:
     """Forward and backward of every micro-batch on stage ``s.index``, in ``schedule``'s order (drawn above).
 
     ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` for each micro-batch and
     back-propagates the scalar it returns at once; it returns those scalars, detached (the others return []).
-    ``drained`` runs once this stage's gradients are complete, before the check that every stage finished.
+    ``drained`` runs once this stage's gradients are complete, before the check that every stage finished;
+    ``before_last_backward`` right before this stage's last backward op (after which its gradients are final).
     """
     seed = draw_step_seed()  # outside the restored streams: the next step draws the next seed
     losses: list[torch.Tensor] = []
@@ -132,6 +134,8 @@ def train_step(
                 if m == M - 1:
                     commit_deferred_batch_norm(s.layers)
             else:
+                if before_last_backward is not None and ops is not None and pos == len(ops) - 1:
+                    before_last_backward()
                 s.backward_micro(step, m, input_grads, partial(roots, m=m))
             pos += 1
         where[0] = None

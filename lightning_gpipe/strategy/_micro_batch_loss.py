@@ -33,11 +33,10 @@ from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
 from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, replay, step_only_metrics
+from lightning_gpipe.strategy._rank_pipeline import EarlyReduction
 from lightning_gpipe.strategy._split_check import check_split_invariance
 
 HOOK, COUNT = "pipeline_loss", "pipeline_loss_count"
-# Starts the reduction of this stage's own gradients; finishes the whole reduction given what start returned.
-Reduction = tuple[Callable[[], PendingReduction], Callable[[PendingReduction | None], None]]
 
 
 def _misuse(what: str) -> TypeError:
@@ -113,7 +112,7 @@ class MicroBatchLoss:
         stage's drain ends, overlapping the other stages' (else in :meth:`add_gradients`)."""
         module, accumulate = trainer.lightning_module, trainer.accumulate_grad_batches
         early = reduce and accumulate == 1 and module.automatic_optimization
-        reduction: Reduction | None = (pipeline.start_reduction, pipeline.reduce) if early else None
+        reduction: EarlyReduction | None = pipeline.early_reduction() if early else None
         stage, self.loss, self._output, self.grads = self.stage, None, None, {}
         consumed: list[bool] = []
         self.reduced = early
@@ -149,7 +148,7 @@ class MicroBatchLoss:
             del stage.forward
             del module.pipeline_loss
 
-    def _run(self, call: _Call, reduction: Reduction | None) -> Tensor:
+    def _run(self, call: _Call, reduction: EarlyReduction | None) -> Tensor:
         stage, module = self.stage, call.module
         device = _device_of(stage)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -158,14 +157,16 @@ class MicroBatchLoss:
             p.grad = None
         payload: dict[str, Any] = {}
         started: list[PendingReduction] = []
-        drained = (lambda: started.append(reduction[0]())) if reduction is not None else None
+        hooks: dict[str, Any] = {}
+        if reduction is not None:
+            hooks = {"before_last_backward": reduction.arm, "drained": lambda: started.append(reduction.launch_rest())}
         try:
             if stage.is_last:
-                payload = self._last_stage(call, drained)
+                payload = self._last_stage(call, hooks)
             else:
-                stage.train_step(call.input, _never_called, schedule=self.schedule, drained=drained)
+                stage.train_step(call.input, _never_called, schedule=self.schedule, **hooks)
             if reduction is not None:  # while the step's gradients are the only ones in .grad
-                reduction[1](started[0] if started else None)
+                reduction.finish(started[0] if started else None)
         finally:
             self.grads = {p: p.grad for p in params if p.grad is not None}
             for p, g in zip(params, parked):
@@ -181,7 +182,7 @@ class MicroBatchLoss:
         self.loss = payload["loss"]
         return torch.tensor(payload["loss"], dtype=torch.float32, device=device, requires_grad=True)
 
-    def _last_stage(self, call: _Call, drained: Callable[[], None] | None) -> dict[str, Any]:
+    def _last_stage(self, call: _Call, hooks: dict[str, Any]) -> dict[str, Any]:
         module, hook, input, args, kwargs = call.module, call.hook, call.input, call.args, call.kwargs
         sizes = micro_batch_sizes(batch_size(input, self.batch_dim), self.stage.chunks)
         pieces = split_by_sizes((args, kwargs), sizes, self.batch_dim)
@@ -215,7 +216,7 @@ class MicroBatchLoss:
             return call.scale(loss * (weights[m] / call.accumulate))
 
         with step_only_metrics(module, increments):
-            self.stage.train_step(input, loss_fn, schedule=self.schedule, drained=drained)
+            self.stage.train_step(input, loss_fn, schedule=self.schedule, **hooks)
         try:
             logs = recorder.combined(len(sizes))
             if check:

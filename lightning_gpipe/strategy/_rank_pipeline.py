@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
+from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
 from lightning_gpipe.strategy._balance import StrategyBalance, log_partition, plan_balance, shown_costs
@@ -24,6 +25,15 @@ from lightning_gpipe.strategy._precision import fit_to_pipeline
 from lightning_gpipe.strategy._step_results import abort_on_error
 from lightning_gpipe.strategy._trace import StepTracer
 from lightning_gpipe.strategy._weight_copies import WeightCopies
+
+
+@dataclass(frozen=True)
+class EarlyReduction:
+    """``arm`` before the stage's last backward op, ``launch_rest`` after it, then ``finish`` what it returned."""
+
+    arm: Callable[[], None]
+    launch_rest: Callable[[], PendingReduction]
+    finish: Callable[[PendingReduction | None], None]
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ class RankPipeline:
         self.plain_parameter_names = plain_parameter_names
         self.copies: WeightCopies | None = None
         self._dp_reduce: OverlappedReduction | None = None
+        self._ready: ReadyBuckets | None = None
 
     @classmethod
     def build(
@@ -139,6 +150,7 @@ class RankPipeline:
         # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere.
         params, copied = list(module.parameters()), self.copies.copied
         self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes)
+        self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
 
     def backward(
@@ -172,10 +184,11 @@ class RankPipeline:
         if reduce:
             self.reduce(own[0] if own else None)
 
-    def start_reduction(self) -> PendingReduction:
-        """Launch the dp reduction of this stage's own gradients (complete once its drain ended); see :meth:`reduce`."""
-        assert self._dp_reduce is not None, "connect() first"
-        return self._dp_reduce.start()
+    def early_reduction(self) -> EarlyReduction:
+        """The reduction of a step whose gradients are the only ones in ``.grad``, overlapped with its backward:
+        this stage's own buckets leave during its last backward op, as their gradients end (see ``ready_buckets``)."""
+        assert self._ready is not None, "connect() first"
+        return EarlyReduction(self._ready.arm, self._ready.launch_rest, self.reduce)
 
     def reduce(self, started: PendingReduction | None = None) -> None:
         """Sum the gradients of weights with copies on other stages, average every gradient over the replicas

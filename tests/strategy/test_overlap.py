@@ -17,6 +17,7 @@ SLOW_S = 1.0  # stage 0's drain made this much longer than the last stage's (a m
 
 
 def overlap_worker(rank: int, world_size: int, hooked: bool) -> dict[str, Any]:
+    import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
 
@@ -60,9 +61,14 @@ def overlap_worker(rank: int, world_size: int, hooked: bool) -> dict[str, Any]:
     GPipeStage.train_step = slow_step  # type: ignore[method-assign]
     dist.all_reduce = logged
     module = lightning_module(hooked=hooked)
-    trainer = quiet_trainer(
-        devices=world_size, strategy=GPipeStrategy(chunks=3, pipeline_parallel_size=2), max_steps=STEPS
-    )
+    starts: list[int] = []
+
+    class Starts(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            starts.append(time.perf_counter_ns())
+
+    strategy = GPipeStrategy(chunks=3, pipeline_parallel_size=2)
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS, callbacks=[Starts()])
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     dist.all_reduce = launch
     expected = reference(2, None)
@@ -70,10 +76,11 @@ def overlap_worker(rank: int, world_size: int, hooked: bool) -> dict[str, Any]:
         ((p.detach() - expected[n]).abs().max() / expected[n].abs().max()).item() for n, p in module.named_parameters()
     )
     replicas = (rank % 2, rank % 2 + 2)
-    # The first float all-reduce over this stage's replicas after each drain: its first gradient bucket.
+    # The first float all-reduce over this stage's replicas in each step: its first gradient bucket, which with the
+    # loss inside the pipeline leaves during the stage's last backward op.
     first_bucket = [
-        next(t for t, ranks, dtype in launches if t > end and ranks == replicas and dtype == "torch.float32")
-        for end in drain_ends
+        next(t for t, ranks, dtype in launches if t > start and ranks == replicas and dtype == "torch.float32")
+        for start in starts
     ]
     return {"drain_ends": drain_ends, "first_bucket": first_bucket, "error": error}
 

@@ -1,0 +1,92 @@
+"""ReadyBuckets: a stage's dp buckets leave during its last backward op, and the means equal a reduction after it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
+from lightning_gpipe.pipe.grads import BucketedAllReduce
+from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
+from tests.helpers import models
+from tests.helpers.launch import run_distributed
+
+N = 10
+
+
+def _step(stage: GPipeStage, replica: int, step: int, hooks: dict[str, Any]) -> None:
+    M = stage.chunks
+    x = models.make_input("mlp", N, seed=10 * step + replica)  # different data on each replica
+    tgt = torch.randn(N, models.D, generator=torch.Generator().manual_seed(100 + 10 * step + replica))
+    sizes = micro_batch_sizes(N, M)
+    lo = [sum(sizes[:m]) for m in range(M)]
+    stage.zero_grad(set_to_none=True)
+    stage.train_step(
+        x, lambda y, m: models.loss_fn(y, tgt[lo[m] : lo[m] + sizes[m]]) * sizes[m] / N, schedule="1f1b", **hooks
+    )
+
+
+def ready_worker(rank: int, world_size: int, M: int, frozen: bool) -> dict[str, Any]:
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pp, dp, replica = pp_groups[rank // 2], dp_groups[rank % 2], rank // 2
+    torch.manual_seed(0)
+    backbone = models.mlp()
+    if frozen:  # a parameter without a gradient anywhere must stay None, as DDP leaves it
+        backbone[2 if rank % 2 == 0 else 6][0].bias.requires_grad_(False)
+    stage = GPipeStage(backbone, chunks=M, balance=[4, 4], group=pp)
+    params = list(stage.parameters())
+    ready = ReadyBuckets(params, dp, bucket_bytes=64)  # about one parameter per bucket
+    launches: list[int] = []
+    ends: list[int] = []
+    real = dist.all_reduce
+
+    def logged(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+        if group is dp and tensor.is_floating_point():
+            launches.append(time.perf_counter_ns())
+        return real(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = logged
+    same, during = True, []
+    try:
+        for step in range(3):
+            pending: list[Any] = []
+
+            def drained(pending: list[Any] = pending) -> None:
+                ends.append(time.perf_counter_ns())
+                pending.append(ready.launch_rest())
+
+            launches.clear()
+            _step(stage, replica, step, {"before_last_backward": ready.arm, "drained": drained})
+            pending[0].wait()
+            got = [None if p.grad is None else p.grad.clone() for p in params]
+            during.append(sum(t < ends[-1] for t in launches))
+            _step(stage, replica, step, {})
+            BucketedAllReduce(params, dp, bucket_bytes=64)()
+            want = [p.grad for p in params]
+            same = same and all(
+                (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
+                for g, w in zip(got, want)
+            )
+    finally:
+        dist.all_reduce = real
+    return {"same": same, "during": during, "buckets": len(params)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("M", "frozen"), [(4, False), (4, True), (1, False)], ids=["all trained", "one frozen per stage", "M=1"]
+)
+def test_buckets_leave_during_the_last_backward_with_the_same_means(M: int, frozen: bool) -> None:
+    for rank, r in enumerate(run_distributed(ready_worker, 4, M, frozen, timeout=100)):
+        assert r["same"], rank  # bit for bit: each element summed over the same two replicas
+        if M > 1:
+            # Every step some buckets left before the last backward op ended (its first layers' gradients were
+            # not final yet), not all of them after.
+            assert all(d >= 1 for d in r["during"]), (rank, r)
+        else:  # no gradient before the only backward op: every parameter is late, reduced after it
+            assert r["during"] == [0, 0, 0], (rank, r)
