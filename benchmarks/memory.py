@@ -300,10 +300,20 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(report.RESULTS))
     parser.add_argument("--max-runs", type=int, default=6, help="real runs at most per search, beyond the table's")
     parser.add_argument("--smoke", action="store_true", help="tiny models, Naive-1 and Pipeline-2, short searches")
+    parser.add_argument(
+        "--schedules",
+        action="store_true",
+        help="instead: 1F1B vs GPipe with the loss per micro-batch, checkpoint=never (memory_schedules.py)",
+    )
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4], metavar="K", help="K of --schedules")
     args = parser.parse_args()
     t0 = time.perf_counter()
     os.environ.update(MALLOC_ENV)  # read by glibc when the spawned workers start
     families = SMOKE if args.smoke else FAMILIES
+    if args.schedules:
+        from benchmarks.memory_schedules import compare  # imports this module's models: not at the top
+
+        return compare(args, families, [2] if args.smoke else args.ks)
     budget_mb = args.budget_mb if args.budget_mb is not None else (8.0 if args.smoke else 120.0)
     configs, notes = (["Naive-1", "Pipeline-2"] if args.smoke else list(CONFIGS)), []
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0

@@ -1,12 +1,16 @@
-"""GPipe paper Table 4 from the timeline: where a pipelined step's time goes, as shares, for K = 2 and K = 4."""
+"""GPipe paper Table 4 from the timeline: where a pipelined step's time goes, per loss path, for K = 2 and K = 4."""
 
-# What it runs: throughput.py's small AmoebaNet-D and Transformer (workloads.py), pipelined by GPipeStage over K
-# processes (gloo on 127.0.0.1, 1 thread each, checkpoint="except_last", time-profiled balance), a training step =
-# forward + loss + backward + RMSProp update, with the stage's timeline on. Each step is traced on every stage (clocks
-# lined up after a barrier), then broken down by lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble
-# (pipeline time in which a stage computes nothing), load imbalance, transfer (the part of receive waits after the
-# peer sent), the weight update, as shares of the step; medians over the clean traced steps. One Gantt chart per
-# configuration. Writes <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>.png. Run from the repo root:
+# What it runs: throughput.py's small AmoebaNet-D and Transformer (workloads.py; the Transformer's vocabulary
+# projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread
+# each, checkpoint="except_last", time-profiled balance), a training step = forward + loss + backward + RMSProp
+# update, with the stage's timeline on, along three loss paths, alternating step by step in the same processes:
+# "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and "gpipe" and "1f1b"
+# (stage.train_step: the loss per micro-batch on the last stage, inside the pipeline). Each step is traced on every
+# stage (clocks lined up after a barrier), then broken down by lightning_gpipe.pipe.trace_stats.breakdown: recompute,
+# bubble (pipeline time in which a stage computes nothing), load imbalance, transfer (the part of receive waits after
+# the peer sent), the loss, the weight update, as shares of the step, and the efficiency (the ideal GPipe step over
+# the measured one); medians over the clean traced steps. One Gantt chart per configuration. Writes
+# <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>_<path>.png. Run from the repo root:
 #   python -m benchmarks.overhead
 
 from __future__ import annotations
@@ -23,29 +27,39 @@ import torch.distributed as dist
 
 from benchmarks import report
 from benchmarks.machine import launch, pause_until_quiet, timed, wait_quiet
-from benchmarks.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch
+from benchmarks.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
 from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
 from lightning_gpipe.pipe.gantt import plot_timeline
 from lightning_gpipe.pipe.trace import Event
 
+# The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the two
+# schedules of GPipeStage.train_step (the loss per micro-batch on the last stage, inside the pipeline).
+PATHS = ("whole-batch", "gpipe", "1f1b")
 # Disjoint shares of the whole step (first event to last on any stage, averaged over stages), in stacking order:
-# compute, then the bubble split into waiting for a peer's compute and the transfer itself, then what lies outside
-# the pipeline's span (the update, and the rest: the loss, the loop).
-STACK = ("forward", "backward", "recompute", "waiting", "transfer", "update", "other")
+# compute, the loss, then the rest of the bubble split into waiting for a peer's compute and the transfer itself,
+# then what lies outside the pipeline's span (the update, and the rest: the loop).
+STACK = ("forward", "backward", "recompute", "loss", "waiting", "transfer", "update", "other")
 # Table 4's columns: the bubble whole, and load imbalance -- a cause of part of the bubble, not a share beside it.
-SHARES = ("forward", "backward", "recompute", "bubble", "transfer", "load_imbalance", "update", "other")
+SHARES = ("forward", "backward", "recompute", "loss", "bubble", "transfer", "load_imbalance", "update", "other")
 
 
-def traced_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, target: torch.Tensor) -> list:
-    """One training step with the timeline on; every stage's events, lined up at the step's start (a collective)."""
+def traced_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, target: torch.Tensor, path: str) -> list:
+    """One training step along ``path`` with the timeline on; every stage's events, lined up at the step's start (a
+    collective). The whole-batch loss and its backward are recorded as a "loss" event (micro-batch -1) on the last
+    stage, as the Lightning strategy records it; train_step records each micro-batch's loss itself."""
     timeline = stage.timeline
     timeline.clear()
     timeline.enabled = True
     origin = time.perf_counter_ns()  # just after timed()'s barrier: the same moment on every stage
-    out = stage(x if stage.is_first else None)
-    if stage.is_last:
-        loss_fn(out, target).backward()
-    stage.backward()
+    if path == "whole-batch":
+        out = stage(x if stage.is_first else None)
+        if stage.is_last:
+            with timeline.record("loss"):
+                loss_fn(out, target).backward()
+        stage.backward()
+    else:
+        per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
+        stage.train_step(x if stage.is_first else None, per_micro, schedule=path)
     start = time.perf_counter_ns()
     optimizer.step()
     timeline.events.append(Event("update", stage.index, -1, start, time.perf_counter_ns()))
@@ -56,14 +70,16 @@ def traced_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, tar
 def step_shares(events: list) -> dict[str, float]:
     b = breakdown(events)
     span, p_span = b["span_ms"], b["pipeline_span_ms"]
-    shares = {kind: b["shares"][kind] for kind in ("forward", "backward", "recompute", "transfer", "update")}
+    shares = {kind: b["shares"][kind] for kind in ("forward", "backward", "recompute", "loss", "transfer", "update")}
     # The bubble and the imbalance are fractions of the pipeline's span; here, shares of the whole step.
     bubble = b["bubble"] * p_span / span
+    # The whole batch's loss (micro-batch -1) lies between the phases, inside the bubble; a micro-batch's is compute.
+    whole_loss = sum(e.end_ns - e.start_ns for e in events if e.kind == "loss" and e.micro_batch < 0)
     return {
         "span_ms": span,
         **shares,
         "bubble": bubble,
-        "waiting": bubble - shares["transfer"],
+        "waiting": bubble - shares["transfer"] - whole_loss / 1e6 / span / b["K"],
         "other": (span - p_span) / span - shares["update"],
         "load_imbalance": b["load_imbalance"] * p_span / span,
         "bubble_of_pipeline": b["bubble"],
@@ -73,33 +89,41 @@ def step_shares(events: list) -> dict[str, float]:
 
 
 def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """One K (= world): every model, ``steps`` clean traced steps each (at most ``max_steps``)."""
+    """One K (= world): every model, the loss paths by turns (the order flips every round) in the same processes,
+    until each has ``steps`` clean traced steps (at most ``max_steps``)."""
     out: dict[str, Any] = {}
+    paths = job["paths"]
     for name, entry in job["models"].items():
         torch.manual_seed(0)
         stage = GPipeStage(build(name, entry["sizes"]), chunks=job["M"], balance=entry["balance"])
         optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
         x, target = make_batch(name, entry["sizes"])
-        steps: list[dict] = []
-        chart: list | None = None
+        steps: dict[str, list[dict]] = {path: [] for path in paths}
+        charts: dict[str, list | None] = {path: None for path in paths}
         for s in range(job["warmup"] + job["max_steps"]):
-            stage.zero_grad(set_to_none=True)
-            rec, events = timed(lambda: traced_step(stage, optimizer, x, target))  # noqa: B023
-            clean = rec["foreign_cores"] < job["clean_threshold"]
-            if s >= job["warmup"] and rank == 0:
-                steps.append({**step_shares(events), "clean": clean, "foreign_cores": rec["foreign_cores"]})
-                chart = events if clean or chart is None else chart
-            done = torch.tensor([sum(st["clean"] for st in steps) >= job["steps"]], dtype=torch.float64)
+            disturbed = False
+            for path in paths if s % 2 == 0 else paths[::-1]:
+                stage.zero_grad(set_to_none=True)
+                rec, events = timed(lambda p=path: traced_step(stage, optimizer, x, target, p))  # noqa: B023
+                clean = rec["foreign_cores"] < job["clean_threshold"]
+                disturbed |= not clean
+                if s >= job["warmup"] and rank == 0:
+                    row = {**step_shares(events), "clean": clean, "foreign_cores": rec["foreign_cores"]}
+                    steps[path].append(row)
+                    charts[path] = events if clean or charts[path] is None else charts[path]
+            wanted = min(sum(st["clean"] for st in steps[path]) for path in paths) >= job["steps"]
+            done = torch.tensor([wanted], dtype=torch.float64)
             dist.broadcast(done, src=0)
             if done.item():
                 break
-            if not clean and job["wait_quiet"] > 0:
+            if disturbed and job["wait_quiet"] > 0:
                 pause_until_quiet(job["wait_quiet"], job["clean_threshold"])
         if rank == 0:
-            title = name
-            path = Path(job["out_dir"]) / f"overhead_{name}_k{world}.png"
-            plot_timeline(chart, path, title=title)
-            out[name] = {"steps": steps, "gantt": str(path)}
+            out[name] = {}
+            for path in paths:
+                png = Path(job["out_dir"]) / f"overhead_{name}_k{world}_{path}.png"
+                plot_timeline(charts[path], png, title=f"{name}, K={world}, M={job['M']}, loss: {path}")
+                out[name][path] = {"steps": steps[path], "gantt": str(png)}
     return out
 
 
@@ -115,11 +139,13 @@ COLUMNS: list[report.Column] = [
     ("model", "model", ""),
     ("K", "K", ""),
     ("M", "M", ""),
+    ("path", "loss path", ""),
     ("span_ms", "step ms", ".0f"),
+    ("vs_whole", "step / whole-batch's", ".2f"),
+    ("efficiency", "efficiency (ideal GPipe step / step)", ".2f"),
     *[(key, f"{key.replace('_', ' ')} %", ".1f") for key in SHARES],
     ("bubble_of_pipeline", "bubble % of pipeline", ".1f"),
     ("theoretical_bubble", "(K−1)/(M+K−1) %", ".1f"),
-    ("efficiency", "efficiency (ideal GPipe step / step)", ".2f"),
     ("n", "steps", ""),
     ("note", "note", ""),
 ]
@@ -127,18 +153,19 @@ COLUMNS: list[report.Column] = [
 
 def figure(rows: list[dict]) -> Any:
     plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(9, 3.8))
-    labels = [f"{r['model']}\nK={r['K']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.42 * len(rows)))
+    labels = [f"{r['model']} K={r['K']} {r['path']} (eff. {r['efficiency']:.2f})" for r in rows]
     left = [0.0] * len(rows)
     for i, key in enumerate(STACK):
         values = [r[key] for r in rows]
         ax.barh(labels, values, left=left, color=f"C{i}", label=key.replace("_", " "))
         left = [a + b for a, b in zip(left, values)]
     ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=8)
     ax.set_xlabel("share of the step (%)")
     ax.set_xlim(0, 100)
-    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
-    ax.set_title("Where a pipelined step's time goes (medians of traced steps)")
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    ax.set_title("Where a pipelined step's time goes, per loss path (medians of traced steps)")
     fig.tight_layout()
     return fig
 
@@ -147,6 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4], metavar="K")
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS), help="loss paths compared")
     parser.add_argument("--micro-batches", type=int, default=8, metavar="M")
     parser.add_argument("--steps", type=int, default=6, help="clean traced steps wanted per configuration")
     parser.add_argument("--max-steps", type=int, default=12)
@@ -178,40 +206,48 @@ def main() -> None:
             "wait_quiet": args.wait_quiet,
             "out_dir": args.out_dir,
             "models": {n: {"sizes": sizes[n], "balance": info["balance"][K]} for n, info in models.items()},
+            "paths": args.paths,
         }
         raw[K] = launch(run_job, K, job)
         for name in args.models:
-            row = {"model": name, "K": K, "M": args.micro_batches, **summarize(raw[K][name]["steps"])}
-            notes = ["oversubscribed"] if K > cores else []
-            notes += ["noisy"] if row["clean"] < 3 else []
-            row["note"] = ", ".join(notes)
-            rows.append(
-                {
-                    k: 100 * v if k in (*SHARES, "bubble_of_pipeline", "theoretical_bubble") else v
-                    for k, v in row.items()
-                }
-            )
-            print(f"# {name} K={K}: {rows[-1]}", flush=True)
+            for path in args.paths:
+                row = {"model": name, "K": K, "M": args.micro_batches, "path": path}
+                row |= summarize(raw[K][name][path]["steps"])
+                notes = ["oversubscribed"] if K > cores else []
+                notes += ["noisy"] if row["clean"] < 3 else []
+                row["note"] = ", ".join(notes)
+                percent = (*STACK, *SHARES, "bubble_of_pipeline", "theoretical_bubble")
+                rows.append({k: 100 * v if k in percent else v for k, v in row.items()})
+                print(f"# {name} K={K} {path}: {rows[-1]}", flush=True)
+    for r in rows:
+        whole = [w for w in rows if (w["model"], w["K"], w["path"]) == (r["model"], r["K"], "whole-batch")]
+        r["vs_whole"] = r["span_ms"] / whole[0]["span_ms"] if whole else None
     total = time.perf_counter() - t_start
     command = report.command_line("overhead")
     md = ["# Where the time goes (GPipe Table 4), from the timeline", "", *report.environment_lines(env)]
     md += [
         f"- Command: `{command}`; total {total:.0f} s",
         "- Step: forward + loss + backward + RMSProp update, every stage traced; shares of the whole step (first "
-        "event to last on any stage), medians over clean traced steps; checkpoint=except_last; balance by time.",
+        "event to last on any stage), medians over clean traced steps; checkpoint=except_last; balance by time. "
+        "Loss paths, alternating step by step in the same processes: whole-batch = `stage(x)`, the loss on the "
+        "whole output on the last stage and its backward, `stage.backward()`; gpipe / 1f1b = "
+        "`stage.train_step(x, loss_fn, schedule=...)`, the loss per micro-batch (weighted n_m/N) on the last stage.",
+        "- efficiency: the ideal GPipe step (all the step's compute, the loss and the update, spread evenly over K "
+        "stages and stretched by (M+K−1)/M) over the measured step (`lightning_gpipe.pipe.breakdown`).",
         "- bubble: time inside the pipeline (first forward to last backward) in which a stage computes nothing, "
         "averaged over stages (waiting for peers and the loss included); 'bubble % of pipeline' is the same over "
         "the pipeline's span only, beside GPipe's (K−1)/(M+K−1). load imbalance: (max − mean) of the stages' "
         "compute (a cause of bubble, not a share beside it). transfer: the part of the bubble spent in receive "
-        "waits after the peer had sent. update: the optimizer step. other: the rest outside the pipeline's span "
-        "(the loss, the benchmark's loop). The figure stacks the disjoint parts; its medians need not sum to 100.",
+        "waits after the peer had sent. loss: the loss (whole-batch: with its backward to the output, between the "
+        "phases, inside the bubble). update: the optimizer step. other: the rest outside the pipeline's span "
+        "(the benchmark's loop). The figure stacks the disjoint parts; its medians need not sum to 100.",
         f"- Rows with K > {cores} usable cores are oversubscribed (stages share cores).",
         "",
         *[f"- {name}: {info['model']}, balance {info['balance']}" for name, info in models.items()],
         "",
         report.markdown_table(rows, COLUMNS),
         "",
-        *[f"![{r['model']} K={r['K']}](overhead_{r['model']}_k{r['K']}.png)" for r in rows],
+        *[f"![{r['model']} K={r['K']} {r['path']}](overhead_{r['model']}_k{r['K']}_{r['path']}.png)" for r in rows],
     ]
     data = {"command": command, "environment": env, "models": models, "rows": rows, "raw": raw, "total_s": total}
     paths = report.write("overhead", data, "\n".join(md), figure(rows), out_dir=args.out_dir)

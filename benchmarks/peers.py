@@ -1,4 +1,4 @@
-"""Ours vs torch.distributed.pipelining ScheduleGPipe vs one plain process, at fixed and variable sequence lengths."""
+"""Ours vs torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B vs a plain process, fixed and varied length."""
 
 # Run it from the repo root: python -m benchmarks.peers (--smoke: a small model, about half a minute).
 
@@ -44,20 +44,38 @@ from lightning_gpipe.pipe import GPipeStage
 FULL = {k: getattr(wl, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH", "SEQ")}
 SMOKE = {"LAYERS": 4, "D_MODEL": 64, "HEADS": 4, "FFN": 256, "BATCH": 16, "SEQ": 16}
 LENGTHS, SMOKE_LENGTHS = [16, 32, 24, 40, 8, 48, 32, 16, 56, 24], [8, 16, 4, 12]
-SYSTEMS = ("ours except_last", "ours always", "torch GPipe", "plain")
+# ours except_last / always: the whole-batch loss path (stage(x), the loss on the last stage, stage.backward()).
+# ours gpipe / 1f1b: stage.train_step, the loss per micro-batch on the last stage, as torch's schedules do; with
+# checkpoint="always" every micro-batch is recomputed on every stage, the same re-materialization as torch's stages
+# (one torch.utils.checkpoint per stage); "(except_last)": ours' default, where a micro-batch whose backward follows
+# its forward keeps its graph (every one on the last stage).
+TRAIN = {  # system: (schedule, checkpoint) of ours via train_step
+    "ours gpipe": ("gpipe", "always"),
+    "ours 1f1b": ("1f1b", "always"),
+    "ours gpipe (except_last)": ("gpipe", "except_last"),
+    "ours 1f1b (except_last)": ("1f1b", "except_last"),
+}
+SYSTEMS = ("ours except_last", "ours always", *TRAIN, "torch GPipe", "torch 1F1B", "plain")
 RATIOS = {  # ratio of throughputs: (numerator system, denominator system)
+    "gpipe_torch": ("ours gpipe", "torch GPipe"),
+    "1f1b_torch": ("ours 1f1b", "torch 1F1B"),
+    "gpipe_el_torch": ("ours gpipe (except_last)", "torch GPipe"),
+    "1f1b_el_torch": ("ours 1f1b (except_last)", "torch 1F1B"),
     "ours_torch": ("ours except_last", "torch GPipe"),
     "always_torch": ("ours always", "torch GPipe"),
-    "ours_plain": ("ours except_last", "plain"),
-    "torch_plain": ("torch GPipe", "plain"),
+    "ours_plain": ("ours 1f1b (except_last)", "plain"),
+    "torch_plain": ("torch 1F1B", "plain"),
 }
 FIXED_COLS = (
     "system|system|; M|M|; median_ms|median ms|.1f; min_ms|min|.1f; max_ms|max|.1f; samples_per_s|samples/s|.1f; "
     "clean|clean/timed|; over_plain|speed-up over plain|.2f"
 )
 RATIO_COLS = (
-    "M|M|; ours_torch|ours / torch throughput|.2f; always_torch|ours always / torch|.2f; ours_plain|ours / plain|.2f; "
-    "torch_plain|torch / plain|.2f; ideal|ideal 2M/(M+1)|.2f"
+    "M|M|; gpipe_torch|**ours gpipe / torch GPipe** (same remat.)|.2f; 1f1b_torch|**ours 1f1b / torch 1F1B** (same "
+    "remat.)|.2f; gpipe_el_torch|ours gpipe (except_last) / torch GPipe|.2f; 1f1b_el_torch|ours 1f1b (except_last) / "
+    "torch 1F1B|.2f; ours_torch|ours whole-batch except_last / torch GPipe|.2f; always_torch|ours whole-batch always / "
+    "torch GPipe|.2f; ours_plain|ours 1f1b (except_last) / plain|.2f; torch_plain|torch 1F1B / plain|.2f; "
+    "ideal|ideal 2M/(M+1)|.2f"
 )
 VAR_COLS = (
     "system|system|; steps|clean/timed steps|; tokens_per_s|tokens/s|.0f; us_per_token|µs/token|.1f; "
@@ -81,19 +99,21 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     plain = copy.deepcopy(model)  # runs on the last rank only; rank 0 waits in the step's closing barrier
     out: dict[str, Any] = {"probe_gflops": gathered, "fixed": {}}
     for M in job["micro_batches"]:
-        groups = [dist.new_group([0, 1]) for _ in range(3)]  # each pipeline on its own group
-        ours = {
-            mode: GPipeStage(copy.deepcopy(model), chunks=M, balance=[half, half], checkpoint=mode, group=g)
-            for mode, g in zip(("except_last", "always"), groups)
-        }
-        schedule, tmod = wl.build_torch(model, rank, M, groups[2], "stage")
-        modules = {"ours except_last": ours["except_last"], "ours always": ours["always"], "torch GPipe": tmod}
-        runners = {
-            "ours except_last": zeroed(ours["except_last"], lambda s=ours["except_last"]: wl.ours_step(s, x, y)),
-            "ours always": zeroed(ours["always"], lambda s=ours["always"]: wl.ours_step(s, x, y)),
-            "torch GPipe": zeroed(tmod, lambda s=schedule: wl.torch_step(s, last, x, y)),
-            "plain": zeroed(plain, lambda: wl.plain_step(plain, x, y) if last else None),
-        }
+        groups = {name: dist.new_group([0, 1]) for name in SYSTEMS if name != "plain"}  # a group per pipeline
+
+        def ours(name: str, mode: str, M: int = M, groups: dict = groups) -> GPipeStage:
+            return GPipeStage(copy.deepcopy(model), chunks=M, balance=[half, half], checkpoint=mode, group=groups[name])
+
+        stages = {n: ours(n, n.split()[1]) for n in ("ours except_last", "ours always")}
+        stages |= {name: ours(name, mode) for name, (_, mode) in TRAIN.items()}
+        modules: dict[str, nn.Module] = dict(stages)
+        runners = {n: zeroed(stages[n], lambda s=stages[n]: wl.ours_step(s, x, y)) for n in stages if n not in TRAIN}
+        for name, (sched, _) in TRAIN.items():
+            runners[name] = zeroed(stages[name], lambda s=stages[name], k=sched: wl.ours_train_step(s, x, y, k))
+        for name, sched in (("torch GPipe", "gpipe"), ("torch 1F1B", "1f1b")):
+            schedule, modules[name] = wl.build_torch(model, rank, M, groups[name], "stage", sched)
+            runners[name] = zeroed(modules[name], lambda s=schedule: wl.torch_step(s, last, x, y))
+        runners["plain"] = zeroed(plain, lambda: wl.plain_step(plain, x, y) if last else None)
         grad_diff: dict[str, float] = {}
 
         def compare(modules: dict = modules, grad_diff: dict = grad_diff) -> None:
@@ -147,12 +167,12 @@ def figure(rows: list[dict], micro_batches: list[int], var_rows: list[dict], pro
     w = 0.8 / len(SYSTEMS)
     for j, name in enumerate(SYSTEMS):
         ys = [next(r["samples_per_s"] for r in rows if r["system"] == name and r["M"] == M) for M in micro_batches]
-        a.bar([i + (j - 1.5) * w for i in range(len(micro_batches))], ys, w, label=name)
+        a.bar([i + (j - (len(SYSTEMS) - 1) / 2) * w for i in range(len(micro_batches))], ys, w, label=name)
     a.set_xticks(range(len(micro_batches)), [f"M={M}" for M in micro_batches])
     a.set(ylabel="samples/s (median step)", title=f"fixed shape, K=2, {wl.LAYERS} layers, batch {wl.BATCH}×{wl.SEQ}")
     a.legend(fontsize=8)
     names = [r["system"].replace(" ", "\n", 2) for r in var_rows] + ["torch GPipe\nbuilt once"]
-    b.bar(range(len(names)), [r["tokens_per_s"] for r in var_rows] + [0.0], color=["C0", "C3", "C2", "C7"])
+    b.bar(range(len(names)), [r["tokens_per_s"] for r in var_rows] + [0.0], color=["C0", "C3", "C2", "C4", "C7"])
     b.set_xticks(range(len(names)), names, fontsize=7)
     b.set(ylabel="tokens/s", title="variable sequence length per step")
     short = "\n".join(p["short"] for p in probes.values())
@@ -178,10 +198,16 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
     model = (
         f"Model: {wl.LAYERS} × TransformerEncoderLayer(d={wl.D_MODEL}, heads={wl.HEADS}, ffn={wl.FFN}, dropout 0), "
         f"MSE loss; K=2 stages of {wl.LAYERS // 2} layers. torch's stage runs its layers under one "
-        "`torch.utils.checkpoint` (every micro-batch recomputed); ours `except_last` keeps the last micro-batch's "
-        "graph, `always` recomputes all. `plain` = the whole model on the whole batch in one process (rank 1, while "
-        "rank 0 waits), no recomputation. The four alternate step by step in the same two processes; a step = "
-        f"forward + loss + backward between barriers; medians of clean steps after {args.warmup} warm-up."
+        "`torch.utils.checkpoint` (every micro-batch recomputed), its schedules computing the loss per micro-batch "
+        "on the last stage. Ours: `except_last` / `always` = the whole-batch loss path (`stage(x)`, the loss on the "
+        "whole output, `stage.backward()`; `except_last` keeps the last micro-batch's graph, `always` recomputes "
+        "all); `gpipe` / `1f1b` = `stage.train_step(x, loss_fn, schedule=...)`, the loss per micro-batch on the last "
+        'stage like torch\'s, with `checkpoint="always"` (every micro-batch recomputed on every stage: the same '
+        "re-materialization as torch's) or, marked `(except_last)`, ours' default (a micro-batch whose backward "
+        "comes right after its forward keeps its graph: every one on the last stage). `plain` = the whole model on "
+        "the whole batch in one process (rank 1, while rank 0 waits), no recomputation. All alternate step by step "
+        "in the same two processes; a step = forward + loss + backward between barriers; medians of clean steps "
+        f"after {args.warmup} warm-up."
     )
     var = f"{args.lengths} × {args.var_passes} pass(es), batch {wl.BATCH}, M={args.micro_batches[0]}"
     probe_lines = []
@@ -193,7 +219,7 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
                 f"  - rank {r['rank']}: {r['exit']}; steps {steps}" + f"; `{r['abort']}`" * bool(r["abort"])
             )
     blocks = [
-        "# Peers: ours vs torch.distributed.pipelining ScheduleGPipe vs plain",
+        "# Peers: ours vs torch.distributed.pipelining ScheduleGPipe and Schedule1F1B vs plain",
         "\n".join([*report.environment_lines(env), extra]),
         model,
         f"## Fixed shape (batch {wl.BATCH} × {wl.SEQ})",
@@ -202,7 +228,8 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
         f"First-step loss (max abs. gradient difference from plain's), same weights and batch: {sanity}",
         f"## Variable sequence length: {var}",
         "`torch GPipe rebuilt per step`: a new torch `GPipeStage` + `ScheduleGPipe` around the same stage module "
-        "every step; its time includes the build and torch's runtime shape inference. Step -1 is the warm-up.",
+        "every step; its time includes the build and torch's runtime shape inference. `ours 1f1b (except_last)`: "
+        '`stage.train_step(..., schedule="1f1b")`, the loss per micro-batch. Step -1 is the warm-up.',
         table(var_rows, VAR_COLS.format(tol=REL_TOL)),
         table(per_step, STEP_COLS),
         "### torch's ScheduleGPipe built once (first length), then fed the next lengths",

@@ -29,7 +29,7 @@ from lightning_gpipe.pipe import GPipeStage
 
 # The systems timed at variable lengths (plain: the reference for the losses), and the relative loss difference from
 # plain that still counts as a match (peers.py reports both).
-VAR_SYSTEMS = ("ours except_last", "plain", "torch GPipe rebuilt per step")
+VAR_SYSTEMS = ("ours except_last", "plain", "torch GPipe rebuilt per step", "ours 1f1b (except_last)")
 REL_TOL = 1e-5
 
 
@@ -53,10 +53,12 @@ def torch_rebuilt_step(module: nn.Module, rank: int, M: int, group: Any, x: torc
 
 
 def variable_lengths(rank: int, model: nn.Sequential, job: dict) -> list[dict]:
-    """The same layers, one step per length in turn: ours, plain, and torch's stage + schedule rebuilt every step."""
+    """The same layers, one step per length in turn: ours (whole-batch loss, and 1F1B via train_step), plain, and
+    torch's stage + schedule rebuilt every step."""
     M, last, half = job["var_m"], rank == 1, wl.LAYERS // 2
-    g_ours, g_torch = dist.new_group([0, 1]), dist.new_group([0, 1])
+    g_ours, g_torch, g_1f1b = dist.new_group([0, 1]), dist.new_group([0, 1]), dist.new_group([0, 1])
     ours = GPipeStage(copy.deepcopy(model), chunks=M, balance=[half, half], group=g_ours)
+    ours_1f1b = GPipeStage(copy.deepcopy(model), chunks=M, balance=[half, half], group=g_1f1b)
     plain = copy.deepcopy(model)
     tmod = wl.CheckpointedStage(list(copy.deepcopy(model))[rank * half : (rank + 1) * half], "stage")
     steps: list[dict] = []
@@ -69,6 +71,7 @@ def variable_lengths(rank: int, model: nn.Sequential, job: dict) -> list[dict]:
             "torch GPipe rebuilt per step": zeroed(
                 tmod, lambda x=x, y=y: torch_rebuilt_step(tmod, rank, M, g_torch, x, y)
             ),
+            "ours 1f1b (except_last)": zeroed(ours_1f1b, lambda x=x, y=y: wl.ours_train_step(ours_1f1b, x, y, "1f1b")),
         }
         names = list(runners) if i % 2 == 0 else list(reversed(runners))
         rec: dict[str, Any] = {"step": i - 1, "L": L, "tokens": wl.BATCH * L, "warmup": i == 0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +36,8 @@ def describe(name: str, s: dict[str, Any]) -> str:
         )
     return (
         f"Transformer T(L={s['L']}, H={s['H']}, A={s['A']}), d_model={s['d_model']}, vocab {s['vocab']}, "
-        f"batch {s['batch']} × {s['seq']} source + {s['seq']} target tokens"
+        f"batch {s['batch']} × {s['seq']} source + {s['seq']} target tokens; head (vocabulary projection) = "
+        "the backbone's last layer"
     )
 
 
@@ -63,6 +65,15 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if out.dim() == 3:  # the Transformer's logits [N, T, V]
         return F.cross_entropy(out.flatten(0, 1), target.flatten(), ignore_index=PAD)
     return F.cross_entropy(out, target)
+
+
+def per_micro_batch(
+    loss: Callable[[Any, torch.Tensor], torch.Tensor], target: torch.Tensor, sizes: list[int]
+) -> Callable[[Any, int], torch.Tensor]:
+    """``GPipeStage.train_step``'s loss_fn: micro-batch m's loss weighted n_m / N, so the M terms add up to the whole
+    batch's mean (exact for a mean over samples, and for the token means here: no target token is padding)."""
+    targets, total = target.split(sizes), sum(sizes)
+    return lambda y, m: loss(y, targets[m]) * (sizes[m] / total)
 
 
 def balances(name: str, s: dict[str, Any], ks: list[int], how: str) -> dict[str, Any]:
@@ -133,14 +144,18 @@ class CheckpointedStage(nn.Module):
         return x
 
 
-def build_torch(model: nn.Sequential, rank: int, M: int, group: Any, mode: str) -> tuple[Any, nn.Module]:
+def build_torch(
+    model: nn.Sequential, rank: int, M: int, group: Any, mode: str, schedule: str = "gpipe"
+) -> tuple[Any, nn.Module]:
+    """torch's K=2 pipeline of the encoder stack on this rank: ``ScheduleGPipe`` or (``"1f1b"``) ``Schedule1F1B``."""
     from torch.distributed.pipelining import PipelineStage as TorchStage
-    from torch.distributed.pipelining import ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     half = LAYERS // 2
     module = CheckpointedStage(list(copy.deepcopy(model))[rank * half : (rank + 1) * half], mode)
     stage = TorchStage(module, rank, 2, torch.device("cpu"), group=group)
-    return ScheduleGPipe(stage, n_microbatches=M, loss_fn=F.mse_loss), module
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    return cls(stage, n_microbatches=M, loss_fn=F.mse_loss), module
 
 
 def grads(module: nn.Module) -> list[torch.Tensor]:
@@ -156,6 +171,13 @@ def ours_step(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor) -> float | No
         loss.backward()
     stage.backward()
     return None if loss is None else loss.item()
+
+
+def ours_train_step(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor, schedule: str) -> float | None:
+    """``stage.train_step``: the MSE per micro-batch on the last stage (weighted n_m/N), GPipe or 1F1B."""
+    per_micro = per_micro_batch(F.mse_loss, y, stage.micro_batch_sizes(x))
+    losses = stage.train_step(x if stage.is_first else None, per_micro, schedule=schedule)  # type: ignore[arg-type]
+    return torch.stack(losses).sum().item() if stage.is_last else None
 
 
 def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -1,0 +1,167 @@
+"""1F1B vs GPipe with the loss per micro-batch (train_step): peak activation memory per stage, and step time."""
+
+# Run through memory.py: python -m benchmarks.memory --schedules (its --models, --chunks, --device, --smoke,
+# --out-dir apply; --ks picks K). The models, batches, balance and meters are memory.py's; METHOD says the rest.
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import report
+from benchmarks.machine import Timing, launch, measure, stats, wait_quiet, zeroed
+from benchmarks.memory_probe import Meter, state_bytes
+from benchmarks.workloads import per_micro_batch
+from lightning_gpipe.pipe import GPipeStage
+
+SCHEDULES = ("gpipe", "1f1b")
+MB = 2**20
+METHOD = """\
+**Method.** One process per stage, one thread each, gloo on 127.0.0.1; `GPipeStage(checkpoint="never")` (every
+micro-batch keeps its activations from its forward to its backward), the same layers per stage for both schedules
+(memory.py's balance), M micro-batches of equal size; one step = `stage.train_step(x, loss_fn, schedule=...)` (the
+loss per micro-batch on the last stage, weighted n_m/N) + Adam. After a warm-up step on one micro-batch, each
+schedule's step is measured once, in the same processes: *peak activation* = the peak of the tensor storages
+allocated during the step (memory.py's exact count, a `TorchDispatchMode`; on CUDA `max_memory_allocated`), i.e.
+activations, temporaries, received tensors and gradients in flight, not the model's state. A stage holds at most
+min(M, K − k) micro-batches under 1F1B and M under GPipe (1 on GPipe's last stage, which runs F m B m by turns), so
+stage 0's ratio 1F1B / GPipe should be about K/M; the target is ≤ 1.25 · K/M. Step time: then both schedules
+alternate step by step in the same processes, without the meter (medians of clean steps, `machine.measure`)."""
+
+
+def run(rank: int, world: int, job: dict) -> dict:
+    """One model at one K: each schedule's peak activation per stage, then both schedules' step times."""
+    from benchmarks.memory import build, layer_costs, loss_fn
+
+    torch.set_num_threads(1)
+    spec, M, cuda = job["spec"], job["M"], job["device"] == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    group = dist.new_group(backend="nccl") if cuda and world > 1 else None
+    model, x, target = build(job["model"], spec, spec["size"])
+    costs = layer_costs(model, x, max(2, spec["N"] // M), spec["N"]) if world > 1 and rank == 0 else None
+    balance: Any = [len(model)] if world == 1 else (lambda i, _layer: costs[i])
+    stage = GPipeStage(model, chunks=M, balance=balance, checkpoint="never", group=group, device=device)
+    del model
+    stage.to(device)
+    x = tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+    target = target.to(device)
+    opt = torch.optim.Adam(stage.parameters(), lr=1e-4, foreach=False)
+
+    def step(schedule: str, inputs: Any, tgt: torch.Tensor) -> None:
+        per_micro = per_micro_batch(loss_fn, tgt, stage.micro_batch_sizes(inputs))
+        stage.train_step(inputs if stage.is_first else None, per_micro, schedule=schedule)  # type: ignore[arg-type]
+        opt.step()
+
+    n = spec["N"] // M  # warm-up on one micro-batch of the measured shape (see memory.py)
+    stage._chunks = 1  # private; stage 0 splits by it, the other stages follow the header
+    step("gpipe", tuple(t[:n] for t in x) if isinstance(x, tuple) else x[:n], target[:n])
+    stage._chunks = M
+    peaks: dict[str, dict] = {}
+    for schedule in job["order"]:
+        opt.zero_grad(set_to_none=False)
+        gc.collect()
+        if world > 1:
+            dist.barrier()
+        meter = Meter(device)
+        with meter.window():
+            step(schedule, x, target)
+        peaks[schedule] = {"peak_activation_bytes": meter.peak(), "rss_peak_bytes": meter.rss_peak()}
+    runners = {s: zeroed(stage, lambda s=s: step(s, x, target)) for s in SCHEDULES}
+    timing = measure(runners, Timing(**job["timing"]))
+    row = {"stage": rank, "layers": len(list(stage.children())), "model_bytes": state_bytes(stage, opt), **peaks}
+    rows: list[Any] = [row] * world
+    if world > 1:
+        dist.all_gather_object(rows, row)
+    return {"stages": rows, "timing": timing.records}
+
+
+def in_flight(schedule: str, k: int, K: int, M: int) -> int:
+    """Micro-batches whose activations stage k holds at once under ``schedule``."""
+    if schedule == "1f1b":
+        return min(M, K - k)
+    return 1 if k == K - 1 else M
+
+
+def compare(args: argparse.Namespace, families: dict, ks: list[int]) -> None:
+    """The runs (fresh processes per model and K), then the tables, the JSON and the figure."""
+    t0, M = time.perf_counter(), args.chunks
+    runs: list[dict] = []
+    timing = dict(steps=3 if args.smoke else 6, max_steps=3 if args.smoke else 10, warmup=1)
+    timing |= dict(clean_threshold=0.1, wait_quiet=0.0 if args.smoke else 20.0)
+    for name in args.models:
+        for i, K in enumerate(ks):
+            wait_quiet(timing["wait_quiet"], timing["clean_threshold"])
+            order = list(SCHEDULES) if i % 2 == 0 else list(SCHEDULES)[::-1]
+            job = dict(model=name, spec=families[name], M=M, device=args.device, order=order, timing=timing)
+            res = launch(run, K, job)
+            runs.append({"model": name, "K": K, "M": M, **res})
+            print(f"  {name} K={K}: done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rows, time_rows, cores = [], [], report.environment()["usable_cores"]
+    for r in runs:
+        K = r["K"]
+        for st in r["stages"]:
+            k, peak = st["stage"], {s: st[s]["peak_activation_bytes"] for s in SCHEDULES}
+            ideal = in_flight("1f1b", k, K, M) / in_flight("gpipe", k, K, M)
+            ratio = peak["1f1b"] / peak["gpipe"] if peak["gpipe"] else None
+            row = {"model": r["model"], "K": K, "stage": k, "layers": st["layers"], "model_mb": st["model_bytes"] / MB}
+            row |= {f"{s}_mb": peak[s] / MB for s in SCHEDULES}
+            row |= {f"{s}_inflight": in_flight(s, k, K, M) for s in SCHEDULES}
+            row |= {"ratio": ratio, "ideal": ideal, "bound": 1.25 * K / M}
+            row["met"] = "–" if k else ("yes" if ratio is not None and ratio <= 1.25 * K / M else "NO")
+            rows.append(row)
+        worst = {s: max(st[s]["peak_activation_bytes"] for st in r["stages"]) for s in SCHEDULES}
+        st_ = {s: stats(r["timing"][s], families[r["model"]]["N"]) for s in SCHEDULES}
+        trow = {"model": r["model"], "K": K, "M": M, **{f"{s}_ms": st_[s]["median_ms"] for s in SCHEDULES}}
+        trow |= {"time_ratio": st_["1f1b"]["median_ms"] / st_["gpipe"]["median_ms"]}
+        trow |= {"worst_ratio": worst["1f1b"] / worst["gpipe"], "clean": f"{st_['gpipe']['clean_steps']}/"}
+        trow["clean"] += f"{st_['1f1b']['clean_steps']} of {st_['gpipe']['timed_steps']}"
+        notes = (["oversubscribed"] if K > cores else []) + (["noisy"] if st_["gpipe"]["noisy"] else [])
+        trow["note"] = ", ".join(notes)
+        time_rows.append(trow)
+    write(args, families, runs, rows, time_rows, time.perf_counter() - t0)
+
+
+MEM_COLS = (
+    "model|model|; K|K|; stage|stage|; layers|layers|; model_mb|model state MB|.1f; gpipe_mb|GPipe peak act. MB|.2f; "
+    "1f1b_mb|1F1B peak act. MB|.2f; gpipe_inflight|GPipe in flight|; 1f1b_inflight|1F1B in flight|; "
+    "ratio|1F1B / GPipe|.3f; ideal|in-flight ratio|.3f; bound|target 1.25·K/M (stage 0)|.3f; met|met|"
+)
+TIME_COLS = (
+    "model|model|; K|K|; M|M|; gpipe_ms|GPipe step ms|.0f; 1f1b_ms|1F1B step ms|.0f; time_ratio|1F1B / GPipe time|.3f; "
+    "worst_ratio|worst stage's peak act., 1F1B / GPipe|.3f; clean|clean steps (GPipe/1F1B of timed)|; note|note|"
+)
+
+
+def table(rows: list[dict], spec: str) -> str:
+    return report.markdown_table(rows, [tuple(c.strip().split("|")) for c in spec.split(";")])  # type: ignore[misc]
+
+
+def write(args: argparse.Namespace, families: dict, runs: list, rows: list, time_rows: list, total: float) -> None:
+    env = report.environment(threads_per_process=1, processes="one per stage, fresh per model and K (gloo)")
+    command = report.command_line("memory")
+    md = ["# 1F1B vs GPipe, the loss per micro-batch: peak activation per stage and step time", ""]
+    md += [*report.environment_lines(env), f"- Command: `{command}`; total {total:.0f} s", "", METHOD, ""]
+    md += [f"- {n}: `{families[n]}`, size {families[n]['unit']} = {families[n]['size']}" for n in args.models]
+    md += ["", f"## Peak activation per stage (M = {args.chunks}, checkpoint=never)", "", table(rows, MEM_COLS)]
+    md += ["", "## Step time, the two schedules side by side", "", table(time_rows, TIME_COLS)]
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4))
+    labels = [f"{r['model'][:5]} K={r['K']}\nstage {r['stage']}" for r in rows]
+    for j, s in enumerate(SCHEDULES):
+        ax.bar([i + (j - 0.5) * 0.4 for i in range(len(rows))], [r[f"{s}_mb"] for r in rows], 0.4, label=s)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set(ylabel="peak activation (MB)", title=f"Peak activation per stage, M = {args.chunks}, checkpoint=never")
+    ax.legend()
+    fig.tight_layout()
+    data = {"command": command, "environment": env, "chunks": args.chunks, "device": args.device, "runs": runs}
+    data |= {"memory": rows, "time": time_rows, "total_s": total, "families": {n: families[n] for n in args.models}}
+    paths = report.write("memory_schedules", data, "\n".join(md), fig, out_dir=args.out_dir)
+    print("\n".join(md))
+    print(f"# wrote {', '.join(paths.values())}")
