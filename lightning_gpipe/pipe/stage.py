@@ -281,7 +281,7 @@ class GPipeStage(nn.Module):
         input: Any,
         loss_fn: LossFn,
         *,
-        schedule: ScheduleName = "1f1b",
+        schedule: ScheduleName = "gpipe",
         drained: Callable[[], None] | None = None,
         before_last_backward: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
@@ -290,7 +290,8 @@ class GPipeStage(nn.Module):
         ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` on each micro-batch's
         output as soon as it exists and back-propagates the scalar it returns at once (weight it: ``n_m / N`` for a
         mean over samples, see :meth:`micro_batch_sizes`); it returns those scalars, detached, the other stages [].
-        ``schedule`` is ``"1f1b"`` (at most K − k micro-batches in flight on stage k) or ``"gpipe"`` (all M).
+        ``schedule`` is ``"gpipe"`` (all M micro-batches in flight before the first backward on stages before the
+        last: the faster on the benchmarks) or ``"1f1b"`` (at most K − k on stage k: less activation memory).
         ``drained`` runs once this stage's gradients are complete, before waiting for the other stages;
         ``before_last_backward`` right before the stage's last backward op (e.g. to reduce gradients as they end).
         """

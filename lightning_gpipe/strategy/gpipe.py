@@ -56,10 +56,10 @@ class GPipeStrategy(ParallelStrategy):
     process each; the other processes are data-parallel replicas of the pipeline. Each mini-batch runs as M =
     ``chunks`` micro-batches. ``micro_batch_loss="auto"``: a module that defines ``pipeline_loss(self, output,
     batch)`` and calls ``self.pipeline_loss(self.backbone(x), batch)`` gets it run per micro-batch on the last stage
-    inside the pipeline, by ``schedule`` ``"1f1b"`` or ``"gpipe"``; logs, metrics and the loss stay the whole
-    batch's on every rank. Otherwise (or ``False``) the backbone call in an unchanged ``training_step`` gives every
-    stage the whole output (``output="all"``), or zeros of its shape to all but the last (``"placeholder"``, whose
-    values, logs and metric states are then copied from the last stage); ``backward`` drains the pipeline.
+    inside the pipeline, by ``schedule`` ``"gpipe"`` or ``"1f1b"`` (less memory); logs, metrics and the loss stay
+    the whole batch's on every rank. Otherwise (or ``False``) the backbone call in an unchanged ``training_step``
+    gives every stage the whole output (``output="all"``), or zeros of its shape to all but the last
+    (``"placeholder"``: values, logs and metric states then copied from the last stage); ``backward`` drains it.
     ``balance``: ``"auto"`` is "flops" (each layer's forward FLOPs on one micro-batch of ``example_input_array``)
     or, without one, "parameters"; also ``"time"`` (measured on rank 0), layer counts, or ``fn(i, layer) -> cost``.
     ``trace_dir`` writes the training steps ``trace_steps`` as Chrome traces and Gantt charts of every stage.
@@ -88,7 +88,7 @@ class GPipeStrategy(ParallelStrategy):
         trace_steps: int | list[int] = 5,
         check_batches: CheckBatches = "first",
         micro_batch_loss: bool | Literal["auto"] = "auto",
-        schedule: ScheduleName = "1f1b",
+        schedule: ScheduleName = "gpipe",
     ) -> None:
         super().__init__()
         check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim, check_batches, balance)
