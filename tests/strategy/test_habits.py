@@ -42,7 +42,9 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------------------------------ modules
 def _lightning_module(build: Callable[[], dict[str, nn.Module]], loss: Callable, opt: str = "sgd", **hooks: Any):
-    """A LightningModule holding ``build()``'s submodules; ``loss(self, batch)`` is its training loss."""
+    """A LightningModule holding ``build()``'s submodules; ``loss(self, batch)`` is its training loss, or with hooks
+    ``features`` and ``head`` the loss is ``self.pipeline_loss(self.backbone(features(self, x)), batch)``, which
+    GPipeStrategy runs inside the pipeline (``loss`` stays the plain run's)."""
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
@@ -55,9 +57,17 @@ def _lightning_module(build: Callable[[], dict[str, nn.Module]], loss: Callable,
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             if "before_step" in hooks:
                 hooks["before_step"](self, self.global_step)
-            value = loss(self, batch)
+            if "head" in hooks:
+                value = self.pipeline_loss(self.vit.blocks(hooks["features"](self, batch[0])), batch)
+            else:
+                value = loss(self, batch)
             self.log("train_loss", value)
             return value
+
+        if "head" in hooks:
+
+            def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+                return hooks["head"](self, output, batch)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if opt == "adamw":
@@ -81,6 +91,17 @@ def _vit(alias: bool) -> dict[str, nn.Module]:
 def _vit_loss(self: Any, batch: Any) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(self.vit(x), y)
+
+
+def _vit_features(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """A timm ViT's forward_features up to its blocks."""
+    vit = self.vit
+    return vit.norm_pre(vit.patch_drop(vit._pos_embed(vit.patch_embed(x))))
+
+
+def _vit_head(self: Any, output: torch.Tensor, batch: Any) -> torch.Tensor:
+    """The rest of it: the final norm, the head and the loss, per micro-batch on the last stage."""
+    return F.cross_entropy(self.vit.forward_head(self.vit.norm(output)), batch[1])
 
 
 def _resnet() -> dict[str, nn.Module]:
@@ -168,6 +189,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # Uneven: the alias used to keep the whole backbone, and an uneven split then died in a gloo size mismatch.
     "vit_alias": {"build": lambda: _vit(alias=True), "loss": _vit_loss, "data": "images", "balance": [1, 3]},
     "vit_dotted": {"build": lambda: _vit(alias=False), "loss": _vit_loss, "data": "images", "path": "vit.blocks"},
+    # The same ViT with its head and loss in pipeline_loss, run per micro-batch on the last stage (N = 8, M = 3).
+    "vit_inside": {
+        "build": lambda: _vit(alias=False),
+        "loss": _vit_loss,
+        "data": "images",
+        "path": "vit.blocks",
+        "chunks": 3,
+        "hooks": {"features": _vit_features, "head": _vit_head},
+    },
     # BatchNorm normalizes each micro-batch: with M = 1 the pipelined run is the plain one exactly.
     "resnet_bn": {"build": _resnet, "loss": _resnet_loss, "data": "images", "chunks": 1},
     "tied_frozen_unused": {
@@ -257,6 +287,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
             for k, v in saved.items()
         )
     stage = strategy.stage
+    out["loss_inside"] = strategy._micro is not None
     out["stage_numel"] = sum(p.numel() for p in stage.parameters())
     out["whole_numel"] = sum(p.numel() for p in spec["build"]()["vit" if "vit" in name else "backbone"].parameters())
     if name == "vit_alias":
@@ -397,7 +428,7 @@ def world_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
     return out
 
 
-WORLD2 = ["metrics_all", "vit_alias", "vit_dotted", "resnet_bn", "tied_frozen_unused", "frozen_backbone",
+WORLD2 = ["metrics_all", "vit_alias", "vit_dotted", "vit_inside", "resnet_bn", "tied_frozen_unused", "frozen_backbone",
           "counter", "time_major", "unsaid_batch_dim", "metrics_placeholder", "loss_logging"]  # fmt: skip
 WORLD4 = ["metrics_all", "tied_frozen_unused"]
 
@@ -426,7 +457,16 @@ def _check_fit(results: list[dict[str, Any]], name: str) -> None:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     "name",
-    ["vit_alias", "vit_dotted", "resnet_bn", "tied_frozen_unused", "frozen_backbone", "counter", "time_major"],
+    [
+        "vit_alias",
+        "vit_dotted",
+        "vit_inside",
+        "resnet_bn",
+        "tied_frozen_unused",
+        "frozen_backbone",
+        "counter",
+        "time_major",
+    ],
 )
 def test_pp2_equals_plain(world2: list[dict[str, Any]], name: str) -> None:
     _check_fit(world2, name)
@@ -436,6 +476,7 @@ def test_pp2_equals_plain(world2: list[dict[str, Any]], name: str) -> None:
         assert r["stage_numel"] == (blocks // 4 if name == "vit_alias" else blocks // 2), (r["stage_numel"], blocks)
     if name == "vit_alias":
         assert all(w[name]["alias_is_stage"] for w in world2)
+    assert all(w[name]["loss_inside"] == (name == "vit_inside") for w in world2)
     if name == "tied_frozen_unused":
         assert r["moved"]["unused.weight"] == 0.0  # no made-up zero gradient for AdamW to decay
         assert "backbone.0.0.weight" in r["moved"]
