@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 # Event kinds a stage records: its compute, its communication ("send" queues a message, "recv-wait" waits for one),
 # "step" spans one whole forward or backward phase, "status" is the check at its end that every stage finished it
 # (a small collective, so mostly waiting for the slowest stage).
@@ -46,8 +48,6 @@ class Timeline:
         self.events: list[Event] = []
         self._sync = None
         if device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda":
-            import torch
-
             self._sync = lambda: torch.cuda.synchronize(device)
 
     def now(self) -> int:
@@ -58,6 +58,11 @@ class Timeline:
 
     @contextlib.contextmanager
     def record(self, kind: str, micro_batch: int = -1, label: str = "") -> Iterator[None]:
+        with profiler_range(self.stage, kind, micro_batch, label), self._timed(kind, micro_batch, label):
+            yield
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str, micro_batch: int, label: str) -> Iterator[None]:
         if not self.enabled:
             yield
             return
@@ -73,6 +78,22 @@ class Timeline:
 
     def clear(self) -> None:
         self.events.clear()
+
+
+def range_name(stage: int, kind: str, micro_batch: int = -1, label: str = "") -> str:
+    """The name torch's profiler shows for an event: ``"gpipe stage 1: backward 3"``, ``"gpipe stage 0: status"``."""
+    what = kind if micro_batch < 0 else f"{kind} {micro_batch}"
+    return f"gpipe stage {stage}: {what}" + (f" ({label})" if label else "")
+
+
+def profiler_range(stage: int, kind: str, micro_batch: int = -1, label: str = "") -> contextlib.AbstractContextManager:
+    """A ``record_function`` range while torch's profiler runs (``Trainer(profiler="pytorch")``), else nothing.
+
+    Checked per event: a range costs about 10 µs even with no profiler, a check 0.2 µs.
+    """
+    if not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.autograd.profiler.record_function(range_name(stage, kind, micro_batch, label))
 
 
 def to_chrome_trace(events: Sequence[Event], metadata: dict | None = None) -> dict:

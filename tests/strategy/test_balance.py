@@ -110,7 +110,10 @@ def timed_fit_worker(rank: int, world_size: int) -> dict[str, object]:
 def test_time_balance_splits_alike_on_every_rank_and_trains_exactly() -> None:
     """pp 2 × dp 2: timings differ per process, but every stage and replica holds the split rank 0 measured."""
     results = run_distributed(timed_fit_worker, 4, timeout=180, lightning=True)
-    assert [r["balance"] for r in results] == [[2, 4]] * 4, results
+    # Layer 0 costs next to nothing beside Busy: a timing spike on rank 0 may move it either way, but every rank
+    # must hold what rank 0 measured.
+    assert results[0]["balance"] in ([2, 4], [1, 5]), results
+    assert [r["balance"] for r in results] == [results[0]["balance"]] * 4, results
     for r in results:
         assert r["err"] <= 1e-6, results
 
@@ -180,8 +183,8 @@ def test_forward_that_skips_the_backbone_is_named() -> None:
 def test_costs_by_time_on_a_device_puts_every_layer_back() -> None:
     module = Net()
     params = {k: v.detach().clone() for k, v in module.backbone.named_parameters()}
-    costs = costs_by_time(module.backbone, torch.randn(2, D), device=torch.device("cpu"), repeat=1)
-    assert len(costs) == 6 and costs[1] > max(costs[2:5])
+    costs = costs_by_time(module.backbone, torch.randn(2, D), device=torch.device("cpu"), repeat=3)
+    assert len(costs) == 6 and costs[1] > max(costs[2:5])  # medians of 3: one preemption cannot swap them
     assert all(p.device.type == "cpu" and torch.equal(p, params[k]) for k, p in module.backbone.named_parameters())
     assert all(p.grad is None for p in module.backbone.parameters())
 
