@@ -1,8 +1,7 @@
-"""GPipeStrategy's balance: "auto", "flops", "time" by one micro-batch of example_input_array; the split logged."""
+"""GPipeStrategy's balance: "auto", "flops", "time" by one micro-batch of example_input_array, or parameters."""
 
 from __future__ import annotations
 
-import itertools
 import pickle
 import warnings
 from collections.abc import Callable
@@ -22,19 +21,18 @@ from lightning_gpipe.pipe.partition import (
     costs_by_time,
     solve,
 )
-from lightning_gpipe.strategy._audit import logger
 
 BALANCE_NAMES = ("auto", "flops", "time", "parameters")
 StrategyBalance = list[int] | Literal["auto", "flops", "time", "parameters"] | Callable[[int, nn.Module], float]
 
-_MEASURES = {
+MEASURES = {
     "flops": "forward FLOPs on one micro-batch of example_input_array",
     "time": "forward + backward time on one micro-batch of example_input_array, measured on rank 0",
     "parameters": "parameter count",
     "explicit": "the given layer counts (cost shown: parameter count)",
     "function": "the given cost function",
 }
-_UNITS = {"flops": "FLOPs", "time": "s", "parameters": "parameters", "explicit": "parameters", "function": "cost"}
+UNITS = {"flops": "FLOPs", "time": "s", "parameters": "parameters", "explicit": "parameters", "function": "cost"}
 
 
 def no_example(kind: str) -> str:
@@ -141,7 +139,7 @@ class Plan:
     """How the backbone is split: what GPipeStage gets, and what the setup log says about it."""
 
     balance: Balance  # layer counts, or "parameters" / a cost function for the engine to solve
-    kind: str  # a key of _MEASURES
+    kind: str  # a key of MEASURES
     costs: list[float] | None = None  # per layer, when measured here
     note: str = ""  # what balance="auto" chose, and why
 
@@ -207,18 +205,3 @@ def shown_costs(plan: Plan, backbone: nn.Sequential) -> list[float] | None:
         return costs_by_parameters(backbone)
     except Exception:
         return None
-
-
-def log_partition(plan: Plan, costs: list[float] | None, names: list[str], counts: list[int], path: str) -> None:
-    """One line for the split (what the cost was, the worst stage against the mean), then one per stage."""
-    bounds = list(itertools.accumulate(counts, initial=0))
-    stages = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)] if costs is not None else None
-    total = sum(stages) if stages is not None else 0.0
-    note = f" ({plan.note})" if plan.note else ""
-    worst = f"; the costliest stage is {max(stages) * len(stages) / total:.2f}× the mean" if stages and total else ""
-    logger.info(f"GPipeStrategy: self.{path} split into {len(counts)} stages by {_MEASURES[plan.kind]}{note}{worst}")
-    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
-        layers = f"layer {a} ({names[a]})" if b - a == 1 else f"layers {a}–{b - 1} ({names[a]} … {names[b - 1]})"
-        cost = f": {stages[k]:.4g} {_UNITS[plan.kind]}" if stages is not None else ""
-        share = f", {100 * stages[k] / total:.1f}%" if stages is not None and total else ""
-        logger.info(f"GPipeStrategy: stage {k} → {layers}{cost}{share}")

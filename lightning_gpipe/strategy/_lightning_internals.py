@@ -17,6 +17,9 @@ on). Kept here, and why no public API does it:
   the step value, the count of updates and a compute without the cross-process sync have no public setter.
 - ``route_norm_clipping``: Lightning clips through the precision plugin, with a local norm and no strategy hook;
   a pipeline needs the norm of the whole model across stages.
+- ``summarize_with``: the ``ModelSummary`` callback builds its summary in ``_summary`` (DeepSpeed's stage-3 summary
+  is chosen there by strategy type, with no hook for other strategies); a pipeline's rank holds one stage, so the
+  whole model's rows come from the split instead.
 - Duck-typed by Lightning's accelerator connector, so no wrapper: it reads ``GPipeStrategy.is_distributed`` with
   ``hasattr`` for strategies it does not know (without it no DistributedSampler is injected), sets ``num_nodes`` and
   calls ``set_world_ranks()`` on any strategy that has them. The test pins these through a real Trainer.
@@ -144,3 +147,15 @@ def route_norm_clipping(plugin: Precision, clip: Callable[[torch.optim.Optimizer
     ``self.clip_grad_by_norm(optimizer, clip_val)`` for it, and the Trainer calls that for every clipping."""
     # An attribute of this instance only, shadowing the class's method: the plugin is the user's, not ours.
     setattr(plugin, "clip_grad_by_norm", clip)  # noqa: B010
+
+
+def summarize_with(trainer: pl.Trainer, summary: Callable[[pl.LightningModule, int], Any]) -> None:
+    """Make every ModelSummary callback (RichModelSummary too) build ``summary(module, max_depth)``."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    def build(depth: int) -> Callable[[pl.Trainer, pl.LightningModule], Any]:
+        return lambda _, module: summary(module, depth)
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, ModelSummary):
+            callback._summary = build(callback._max_depth)  # type: ignore[method-assign,assignment]

@@ -16,11 +16,12 @@ from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
-from lightning_gpipe.strategy._balance import StrategyBalance, log_partition, plan_balance, shown_costs
+from lightning_gpipe.strategy._balance import StrategyBalance, plan_balance, shown_costs
 from lightning_gpipe.strategy._loss_audit import check_loss
 from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
 from lightning_gpipe.strategy._mesh import PipelineMesh
 from lightning_gpipe.strategy._metric_groups import sync_metrics_over
+from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel
 from lightning_gpipe.strategy._precision import fit_to_pipeline
 from lightning_gpipe.strategy._step_results import abort_on_error
 from lightning_gpipe.strategy._trace import StepTracer
@@ -68,8 +69,10 @@ class RankPipeline:
         mesh: PipelineMesh,
         step_audit: StepAudit | None = None,
         plain_parameter_names: list[str] | None = None,
+        report: PartitionReport | None = None,
     ) -> None:
         self.stage, self.mesh = stage, mesh
+        self.report = report  # the split, known only when the backbone was pipelined here
         self.step_audit = step_audit
         # The plain module's parameter names in order (a plain optimizer's state dict numbers parameters so); known
         # only when the backbone was pipelined here.
@@ -114,7 +117,8 @@ class RankPipeline:
             broadcast=broadcast,
         )
         # Taken from the whole backbone now, before the stage keeps only this rank's layers.
-        costs, layer_names = (shown_costs(plan, backbone), list(backbone._modules)) if rank == 0 else (None, [])
+        costs = shown_costs(plan, backbone) if rank == 0 else plan.costs
+        whole_model = WholeModel.read(module, path, backbone)
         stage = GPipeStage(
             backbone,
             chunks=options.chunks,
@@ -128,16 +132,15 @@ class RankPipeline:
             device=device,
             timeout=mesh.timeout_s,
         )
+        report = PartitionReport(whole_model, plan, stage.balance, costs)
         audit.hand_over(stage, log=rank == 0)
-        if rank == 0:
-            log_partition(plan, costs, layer_names, stage.balance, path)
         step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
         if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
             seed = broadcast(torch.initial_seed())
             materialize(module, whole, device, seed, init_record)
         if sync_batchnorm:  # per-micro-batch statistics over the replicas of this stage
             sync_deferred_batch_norm(stage, mesh.dp_group)
-        return cls(stage, mesh, step_audit, names)
+        return cls(stage, mesh, step_audit, names, report)
 
     def connect(self, module: nn.Module, plugin: Precision, device: torch.device, bucket_bytes: int) -> None:
         """Collective: the copies made equal (the first time), metrics, gradient reduction and precision plugin

@@ -41,6 +41,7 @@ from lightning_gpipe.strategy._clean_exit import keep_at_exit
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
 from lightning_gpipe.strategy._mesh import PipelineMesh, default_backend, world_barrier, world_broadcast, world_vote
 from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
+from lightning_gpipe.strategy._partition_report import show as show_partition
 from lightning_gpipe.strategy._predict import mute_prediction_output, unmute
 from lightning_gpipe.strategy._rank_pipeline import RankPipeline, StageOptions
 from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage
@@ -202,6 +203,7 @@ class GPipeStrategy(ParallelStrategy):
         sync_bn = internals.layer_sync_requested(self)
         reject_unsupported(module, self.backbone, sync_batchnorm=sync_bn, deferred_batch_norm=self.deferred_batch_norm)
         _, _, backbone = find_backbone(module, self.backbone)
+        built = False
         if self._pipeline is None or self._pipeline.stage is not backbone:  # setup() runs again after fit
             if isinstance(backbone, GPipeStage):  # pipelined by an earlier Trainer
                 self._pipeline = RankPipeline(backbone, mesh)
@@ -211,6 +213,9 @@ class GPipeStrategy(ParallelStrategy):
                 self._pipeline = RankPipeline.build(
                     module, self.backbone, backbone, options, mesh, self.root_device, sync_bn, record, self.broadcast
                 )
+                built = True
+        if self._pipeline.report is not None:
+            show_partition(self._pipeline.report, trainer, self, log=built)
         # Predictions need the real output (see on_predict_start for where they are kept).
         loss_only = self.output == "placeholder" and trainer.state.fn != TrainerFn.PREDICTING
         self.stage.output_mode = "placeholder" if loss_only else "all"
@@ -393,10 +398,3 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         keep_at_exit()
-
-    @override
-    def teardown(self) -> None:
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()

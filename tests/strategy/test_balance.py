@@ -16,13 +16,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_gpipe.pipe.partition import costs_by_time, solve
 from lightning_gpipe.strategy._balance import (
-    Plan,
     backbone_input,
     layer_costs,
-    log_partition,
     no_example,
     plan_balance,
-    shown_costs,
 )
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.models import Busy
@@ -294,10 +291,15 @@ def test_flops_and_auto_split_alike_on_every_rank_log_it_and_train_exactly(
     results = run_distributed(uneven_fit_worker, 2, balance, example, timeout=180, lightning=True)
     assert [r["balance"] for r in results] == [split] * 2, results
     assert all(r["err"] <= 1e-6 for r in results), results
-    header, *stages = [m for m in results[0]["log"] if "split into" in m or " → layer" in m]
-    assert said in header and len(stages) == 2, results[0]["log"]
-    assert stages[1].startswith(f"GPipeStrategy: stage 1 → layers {split[0]}–6 ("), stages
-    assert not [m for m in results[1]["log"] if "split into" in m or " → layer" in m], results[1]["log"]
+    logged = [m for m in results[0]["log"] if "split into" in m]
+    assert len(logged) == 1 and said in logged[0], results[0]["log"]
+    rows = [line.split(" | ") for line in logged[0].splitlines()[3:]]  # after the header, the columns, the rule
+    a = split[0]
+    assert [(r[0].strip(), r[1].strip(), r[-1].strip()) for r in rows] == [
+        ("0", f"0–{a - 1} (0 … {a - 1})", "0 (cpu)"),
+        ("1", f"{a}–6 ({a} … 6)", "1 (cpu)"),
+    ], logged[0]
+    assert not [m for m in results[1]["log"] if "split into" in m], results[1]["log"]
 
 
 def plan(module: nn.Module, balance: object, on_meta: bool = False):  # type: ignore[no-untyped-def]
@@ -305,37 +307,6 @@ def plan(module: nn.Module, balance: object, on_meta: bool = False):  # type: ig
         module, module.backbone, balance, 2, 4, torch.device("cpu"),  # type: ignore[arg-type]
         on_meta=on_meta, rank=0, batch_dim=0, broadcast=lambda obj: obj,
     )  # fmt: skip
-
-
-def log_lines(caplog: pytest.LogCaptureFixture, module: nn.Module, chosen: Plan, counts: list[int]) -> list[str]:
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch.strategies.gpipe"):
-        log_partition(chosen, shown_costs(chosen, module.backbone), list(module.backbone._modules), counts, "backbone")
-    return caplog.messages
-
-
-def test_the_partition_is_logged_stage_by_stage_with_its_cost(caplog: pytest.LogCaptureFixture) -> None:
-    module = Uneven()
-    chosen = plan(module, "flops")
-    assert chosen.balance == [5, 2] and chosen.kind == "flops" and chosen.costs is not None
-    linear, out = 2 * (BATCH // 4) * D * D, (BATCH // 4) * D  # one micro-batch of 2 samples
-    assert chosen.costs[:5] == [linear + out] * 4 + [SPREAD * out]
-    first, second = sum(chosen.costs[:5]), sum(chosen.costs[5:])
-    assert log_lines(caplog, module, chosen, [5, 2]) == [
-        "GPipeStrategy: self.backbone split into 2 stages by forward FLOPs on one micro-batch of example_input_array; "
-        f"the costliest stage is {2 * second / (first + second):.2f}× the mean",
-        f"GPipeStrategy: stage 0 → layers 0–4 (0 … 4): {first:.4g} FLOPs, {100 * first / (first + second):.1f}%",
-        f"GPipeStrategy: stage 1 → layers 5–6 (5 … 6): {second:.4g} FLOPs, {100 * second / (first + second):.1f}%",
-    ]
-    # Explicit counts show the parameter count; a single layer is named alone.
-    lines = log_lines(caplog, module, plan(module, [6, 1]), [6, 1])
-    assert "by the given layer counts (cost shown: parameter count);" in lines[0]
-    assert lines[2] == "GPipeStrategy: stage 1 → layer 6 (6): 0 parameters, 0.0%"
-    lines = log_lines(caplog, module, plan(module, lambda i, layer: float(i)), [5, 2])
-    assert "by the given cost function;" in lines[0] and lines[2].endswith(": 11 cost, 52.4%")
-    # A cost function that fails when the log calls it again: the split is still logged, without costs.
-    lines = log_lines(caplog, module, plan(module, lambda i, layer: 1 / 0), [5, 2])
-    assert lines[0].endswith("by the given cost function") and lines[1] == "GPipeStrategy: stage 0 → layers 0–4 (0 … 4)"
 
 
 def test_flops_counts_a_model_built_on_the_meta_device_and_time_refuses_it() -> None:

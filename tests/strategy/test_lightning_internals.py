@@ -131,3 +131,23 @@ def test_prediction_return_is_a_public_switch() -> None:
     trainer = quiet_trainer(devices=1)
     trainer.predict_loop.return_predictions = False
     assert trainer.predict_loop.return_predictions is False
+
+
+def test_model_summary_callbacks_build_the_given_summary() -> None:
+    """``ModelSummary._summary(trainer, module)`` is what ``on_fit_start`` calls (and prints on rank 0)."""
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+
+    assert list(inspect.signature(ModelSummary._summary).parameters) == ["self", "trainer", "pl_module"]
+    assert issubclass(RichModelSummary, ModelSummary)  # (building one needs `rich`)
+
+    class Subclassed(ModelSummary):  # as RichModelSummary: only the printing differs
+        pass
+
+    callbacks = [ModelSummary(max_depth=2), Subclassed(max_depth=3)]
+    trainer = pl.Trainer(accelerator="cpu", callbacks=list(callbacks), logger=False, enable_progress_bar=False)
+    built: list[tuple[object, int]] = []
+    internals.summarize_with(trainer, lambda module, depth: built.append((module, depth)))
+    module = pl.LightningModule()
+    for callback in callbacks:
+        callback._summary(trainer, module)
+    assert built == [(module, 2), (module, 3)]

@@ -1,0 +1,208 @@
+"""What GPipeStrategy shows of its split: a rank-zero table at setup, and the whole model in Lightning's summary."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary, get_human_readable_count
+from torch import nn
+
+from lightning_gpipe.strategy._audit import logger
+from lightning_gpipe.strategy._balance import MEASURES, UNITS, Plan
+from lightning_gpipe.strategy._lightning_internals import summarize_with
+
+Table = list[tuple[str, list[str]]]
+
+
+@dataclass(frozen=True)
+class WholeModel:
+    """What the summary and the table need of the whole model, read before the stage drops other stages' layers."""
+
+    path: str  # the backbone's attribute path
+    backbone_type: str
+    layer_names: list[str]
+    layer_parameters: list[dict[int, int]]  # per layer: id → elements of each of its parameters
+    total: int  # the whole LightningModule's parameters, each shared one once
+    trainable: int
+    # The backbone's and its ancestors' parameters by qualified name: the summary rows the split would shrink.
+    by_module: dict[str, int]
+
+    @classmethod
+    def read(cls, module: nn.Module, path: str, backbone: nn.Sequential) -> WholeModel:
+        """From ``module``, real or on the meta device."""
+        return cls(
+            path,
+            type(backbone).__name__,
+            list(backbone._modules),
+            [{id(p): p.numel() for p in layer.parameters()} for layer in backbone],
+            _unique_numel(module.parameters()),
+            _unique_numel(p for p in module.parameters() if p.requires_grad),
+            {name: _unique_numel(module.get_submodule(name).parameters()) for name in _ancestors(path)},
+        )
+
+
+@dataclass(frozen=True)
+class PartitionReport:
+    """The split: which layers each of the K stages holds, their parameters and cost."""
+
+    whole: WholeModel
+    plan: Plan
+    counts: list[int]  # layers per stage
+    costs: list[float] | None  # per layer, by plan.kind; None where they could not be had
+
+    @property
+    def path(self) -> str:
+        return self.whole.path
+
+    @property
+    def stage_parameters(self) -> list[int]:
+        """Each stage's parameters, a weight tied within the stage once (tied across stages: on each)."""
+        per_layer = self.whole.layer_parameters
+        return [sum({k: v for layer in per_layer[a:b] for k, v in layer.items()}.values()) for a, b in self._ranges()]
+
+    @property
+    def stage_costs(self) -> list[float] | None:
+        return [float(sum(self.costs[a:b])) for a, b in self._ranges()] if self.costs is not None else None
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        return list(itertools.pairwise(itertools.accumulate(self.counts, initial=0)))
+
+    @property
+    def K(self) -> int:
+        return len(self.counts)
+
+    def layer_range(self, k: int) -> str:
+        a = sum(self.counts[:k])
+        b = a + self.counts[k] - 1
+        names = self.whole.layer_names
+        return f"{a} ({names[a]})" if a == b else f"{a}–{b} ({names[a]} … {names[b]})"
+
+    def header(self) -> str:
+        note = f" ({self.plan.note})" if self.plan.note else ""
+        costs = self.stage_costs
+        worst = ""
+        if costs and sum(costs):
+            worst = f"; the costliest stage is {max(costs) * len(costs) / sum(costs):.2f}× the mean"
+        return f"GPipeStrategy: self.{self.path} split into {self.K} stages by {MEASURES[self.plan.kind]}{note}{worst}"
+
+    def table(self, devices: Callable[[int], str] | None = None) -> Table:
+        """Columns stage → layers, parameters, cost (and its share), and the ranks (devices) that hold it."""
+        costs = self.stage_costs
+        total = sum(costs) if costs else 0.0
+        columns: Table = [
+            ("Stage", [str(k) for k in range(self.K)]),
+            ("Layers", [self.layer_range(k) for k in range(self.K)]),
+            ("Params", [get_human_readable_count(n).strip() for n in self.stage_parameters]),
+        ]
+        if costs is not None:
+            unit = UNITS[self.plan.kind]
+            columns.append(("Cost", [f"{c:.4g} {unit}" for c in costs]))
+            columns.append(("Share", [f"{100 * c / total:.1f}%" if total else "-" for c in costs]))
+        if devices is not None:
+            columns.append(("Ranks", [devices(k) for k in range(self.K)]))
+        return columns
+
+    def log(self, devices: Callable[[int], str] | None = None) -> None:
+        logger.info(f"{self.header()}\n{format_table(self.table(devices))}")
+
+
+def format_table(columns: Table) -> str:
+    """Columns as Lightning's model summary draws them: a header row, a rule, one row per entry."""
+    widths = [max(len(name), *(len(v) for v in values)) for name, values in columns]
+    rows = [" | ".join(name.ljust(w) for (name, _), w in zip(columns, widths))]
+    rows.append("-" * len(rows[0]))
+    for i in range(len(columns[0][1])):
+        rows.append(" | ".join(values[i].ljust(w) for (_, values), w in zip(columns, widths)))
+    return "\n".join(rows)
+
+
+def stage_ranks(K: int, world_size: int, devices: list[Any], per_node: int, nodes: int) -> Callable[[int], str]:
+    """Stage k's global ranks d·K + k, each with its device (Lightning gives rank r ``devices[r % per_node]`` on node
+    ``r // per_node``)."""
+
+    def device(r: int) -> str:
+        where = str(devices[r % per_node]) if devices else "?"
+        return f"node {r // per_node} {where}" if nodes > 1 else where
+
+    return lambda k: ", ".join(f"{r} ({device(r)})" for r in range(k, world_size, K))
+
+
+def show(report: PartitionReport, trainer: Any, strategy: Any, log: bool) -> None:
+    """The table once on global rank 0 (``log``: the split was just made), and the summary on every setup."""
+    if log and strategy.global_rank == 0:
+        devices = list(strategy.parallel_devices or [])
+        per_node = max(1, strategy.num_processes)
+        report.log(stage_ranks(report.K, strategy.world_size, devices, per_node, strategy.num_nodes))
+    summarize_with(trainer, lambda module, depth: PipelineSummary(module, report, depth))
+
+
+@dataclass
+class _Row:
+    """Duck-typed stand-in for Lightning's LayerSummary: a row of the summary without a hooked module."""
+
+    layer_type: str
+    num_parameters: int
+    training: bool
+    in_size: str = "?"
+    out_size: str = "?"
+
+
+class PipelineSummary(ModelSummary):
+    """Lightning's model summary of the whole pipelined model, whichever stage summarizes it.
+
+    The backbone's row counts all K stages, one row per stage follows it, and the totals are the whole model's. No
+    example forward: it would have to run through every stage at fit start to give sizes the stages cannot see.
+    """
+
+    def __init__(self, model: Any, report: PartitionReport, max_depth: int = 1) -> None:
+        self._report = report
+        super().__init__(model, max_depth)
+        rows: dict[str, Any] = {}
+        path = report.path
+        for name, layer in self._layer_summary.items():
+            if name.startswith(path + "."):  # this stage's own layers: the stage rows below stand for them
+                continue
+            whole = report.whole.by_module.get(name, layer.num_parameters)
+            rows[name] = layer if whole == layer.num_parameters else _Row(layer.layer_type, whole, layer.training)
+            if name == path:
+                rows[name] = _Row(f"{report.whole.backbone_type} in {report.K} stages", whole, layer.training)
+                for k in range(report.K):
+                    row = _Row(f"layers {report.layer_range(k)}", report.stage_parameters[k], layer.training)
+                    rows[f"{path} · stage {k}"] = row
+        self._layer_summary = rows
+
+    def _forward_example_input(self) -> None:
+        pass
+
+    @property
+    def total_parameters(self) -> int:
+        return self._report.whole.total
+
+    @property
+    def trainable_parameters(self) -> int:
+        return self._report.whole.trainable
+
+    @property
+    def total_layer_params(self) -> int:
+        return sum(n for name, n in zip(self.layer_names, self.param_nums) if " · stage " not in name)
+
+    def _get_summary_data(self) -> Table:
+        # The FLOPs column needs the example forward; the stages' rows show each one's share of the parameters.
+        hidden = ("FLOPs", "In sizes", "Out sizes")
+        return [(name, values) for name, values in super()._get_summary_data() if name not in hidden]
+
+
+def _ancestors(path: str) -> list[str]:
+    """``"a.b.c"`` → ``["a", "a.b", "a.b.c"]``."""
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _unique_numel(params: Any) -> int:
+    seen: dict[int, int] = {}
+    for p in params:
+        seen.setdefault(id(p), p.numel())
+    return sum(seen.values())
