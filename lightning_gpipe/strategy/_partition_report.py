@@ -99,7 +99,7 @@ class PartitionReport:
         ]
         if costs is not None:
             unit = UNITS[self.plan.kind]
-            columns.append(("Cost", [f"{c:.4g} {unit}" for c in costs]))
+            columns.append(("Cost", [_cost(c, unit) for c in costs]))
             columns.append(("Share", [f"{100 * c / total:.1f}%" if total else "-" for c in costs]))
         if devices is not None:
             columns.append(("Ranks", [devices(k) for k in range(self.K)]))
@@ -193,6 +193,15 @@ class PipelineSummary(ModelSummary):
         # The FLOPs column needs the example forward; the stages' rows show each one's share of the parameters.
         hidden = ("FLOPs", "In sizes", "Out sizes")
         return [(name, values) for name, values in super()._get_summary_data() if name not in hidden]
+
+
+def _cost(c: float, unit: str) -> str:
+    """``"2.9 M FLOPs"``, ``"653 K parameters"``, ``"1.27 ms"``: counts as Lightning's summary writes them."""
+    if unit == "s":
+        return f"{c * 1e3:.3g} ms"
+    if c != int(c):  # a user's cost function may give fractions
+        return f"{c:.4g} {unit}"
+    return f"{get_human_readable_count(int(c)).strip()} {unit}"
 
 
 def _ancestors(path: str) -> list[str]:

@@ -35,6 +35,7 @@ def test_the_table_names_each_stages_layers_parameters_cost_and_ranks() -> None:
     report = report_of(module, "flops", [5, 2])
     linear, out = 2 * (BATCH // 4) * D * D, (BATCH // 4) * D  # one micro-batch of 2 samples
     first = 4 * (linear + out) + SPREAD * out
+    assert first == 1600
     second = sum(report.costs[5:])  # type: ignore[index]
     assert report.header() == (
         "GPipeStrategy: self.backbone split into 2 stages by forward FLOPs on one micro-batch of example_input_array; "
@@ -44,8 +45,8 @@ def test_the_table_names_each_stages_layers_parameters_cost_and_ranks() -> None:
     shares = [f"{100 * c / (first + second):.1f}%" for c in (first, second)]
     assert rows(report, ranks) == [
         ["Stage", "Layers", "Params", "Cost", "Share", "Ranks"],
-        ["0", "0–4 (0 … 4)", "288", f"{first:.4g} FLOPs", shares[0], "0 (node 0 cpu), 2 (node 1 cpu)"],
-        ["1", "5–6 (5 … 6)", "72", f"{second:.4g} FLOPs", shares[1], "1 (node 0 cpu), 3 (node 1 cpu)"],
+        ["0", "0–4 (0 … 4)", "288", "1.6 K FLOPs", shares[0], "0 (node 0 cpu), 2 (node 1 cpu)"],
+        ["1", "5–6 (5 … 6)", "72", "8.7 K FLOPs", shares[1], "1 (node 0 cpu), 3 (node 1 cpu)"],
     ]
     # Explicit counts show the parameter count; a single layer is named alone.
     explicit = report_of(module, [6, 1], [6, 1])
