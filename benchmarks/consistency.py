@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.report import command_line, environment, environment_lines, markdown_table, pyplot, write
+from benchmarks.report import (
+    command_line,
+    environment,
+    environment_lines,
+    legend_right,
+    markdown_table,
+    subplots,
+    title,
+    write,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
@@ -203,36 +212,45 @@ def compare(loss: list[float], ref: list[float]) -> dict[str, Any]:
     }
 
 
-def figure(curves: dict[str, dict[int, dict]], diffs: dict[str, dict[int, dict]], runs: list[Run]) -> Any:
-    """One row per reference run: its curves at every K (and its variants) overlaid, and |Δ| on a log scale."""
-    plt = pyplot()
+FLOOR = 1e-9  # where the figure draws a zero difference (log scale)
+
+
+def plot(data: dict) -> Any:
+    """The figure of a results file (its JSON, loaded). One row per reference run: its loss curves at every K (and
+    its variants) overlaid, and |loss_K − loss_(K=1)| on a log scale."""
+    curves = {n: {int(k): c for k, c in by_k.items()} for n, by_k in data["curves"].items()}
+    diffs = {n: {int(k): d for k, d in by_k.items()} for n, by_k in data["diffs"].items()}
+    runs = [Run(**{**r, "ks": tuple(r["ks"]) if r["ks"] is not None else None}) for r in data["runs"]]
     groups = [r.name for r in runs if not r.ref and r.name in curves]
-    fig, axes = plt.subplots(len(groups), 2, figsize=(13, 3.3 * len(groups)), squeeze=False)
-    floor = 1e-9
+    fig, axes = subplots(len(groups), 2, figsize=(15, 3.4 * len(groups) + 0.6))
     widths = {1: (5.0, 0.35), 2: (2.4, 0.9), 4: (1.4, 1.0)}
     for row, group in zip(axes, groups):
         members = [r for r in runs if (r.ref or r.name) == group]
+        color = 0  # one colour per curve, the same in both panels
         for r in members:
             for k, curve in sorted(curves.get(r.name, {}).items()):
                 label = f"K={k}" + (f" ({r.name.removeprefix(group).strip(' ,')})" if r.ref else "")
                 width, alpha = widths.get(k, (1.4, 1.0))
                 style = "-" if not r.ref and k == 1 else ("--" if k == 2 else ":")
-                row[0].plot(curve["loss"], style, lw=1.4 if r.ref else width, alpha=1 if r.ref else alpha, label=label)
+                lw, alpha = (1.4, 1.0) if r.ref else (width, alpha)
+                row[0].plot(curve["loss"], style, color=f"C{color}", lw=lw, alpha=alpha, label=label)
+                color += 1
                 if r.name == group and k == 1:
                     continue
                 d = diffs[r.name][k]
-                row[1].semilogy(
-                    [max(x, floor) for x in d["abs"]], {1: "o-", 2: "s-", 4: "^-"}.get(k, "x-"), ms=3, lw=1, label=label
-                )
-        row[0].set_title(f"{group}: training loss (fp32, seed {SEED})")
-        row[0].set_xlabel("step")
-        row[0].legend(fontsize=8)
-        row[1].set_ylim(floor / 3, 1.0)
-        row[1].set_title(f"{group}: |loss_K − loss_(K=1)|  (0 = bitwise equal, drawn at {floor:g})")
-        row[1].set_xlabel("step")
-        row[1].legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+                marker = {1: "o-", 2: "s-", 4: "^-"}.get(k, "x-")
+                abs_diff = [max(x, FLOOR) for x in d["abs"]]
+                row[1].semilogy(abs_diff, marker, color=f"C{color - 1}", ms=3, lw=1, label=label)
+        row[0].set_title(f"{group}: training loss (fp32, seed {data['seed']})", fontsize=10)
+        row[0].set(xlabel="training step", ylabel="training loss (rank 0)")
+        legend_right(row[0], title="pipeline stages")
+        row[1].set_ylim(FLOOR / 3, 1.0)
+        row[1].set_title(f"{group}: difference from K = 1 (bitwise equal drawn at {FLOOR:g})", fontsize=10)
+        row[1].set(xlabel="training step", ylabel="|loss_K − loss_(K=1)|")
+        legend_right(row[1], title="pipeline stages")
+    fig.get_layout_engine().set(hspace=0.08)
+    what = f"Consistency (GPipe §4.3.1): the same seed at K = {', '.join(map(str, data['ks']))} stages, fp32"
+    return title(fig, what, data["environment"])
 
 
 def explain(diffs: dict[str, dict[int, dict]], curves: dict[str, dict[int, dict]]) -> list[str]:
@@ -385,7 +403,7 @@ def main() -> int:
             *explain(diffs, curves),
         ]
     )
-    paths = write("consistency", data, markdown, figure(curves, diffs, runs), out_dir=args.out_dir)
+    paths = write("consistency", data, markdown, out_dir=args.out_dir, plot=plot)
     print(markdown)
     print(f"wrote {', '.join(paths.values())}")
     if failed:

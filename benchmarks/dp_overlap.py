@@ -113,19 +113,32 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     return {"per_rank": gathered}
 
 
-def figure(rows: list[dict]) -> Any:
-    """Visible reduction per mode, one group of bars per bucket size."""
-    plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+LABELS = {  # what each mode's bars are, in the figure's legend
+    "after": "after the backward phase",
+    "drained": "at each stage's drain",
+    "in-pipe": "in-pipe: during the last backward op",
+}
+
+
+def plot(data: dict) -> Any:
+    """The figure of a results file (its JSON, loaded): visible reduction per mode, a group of bars per bucket size."""
+    rows, job = data["rows"], data["job"]
+    fig, axes = report.subplots(figsize=(9, 4.2))
+    ax = axes[0][0]
     sizes = sorted({r["bucket_mb"] for r in rows}, reverse=True)
-    for j, mode in enumerate(MODES):
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    for j, mode in enumerate(modes):
         values = [next(r["visible_ms"] for r in rows if r["mode"] == mode and r["bucket_mb"] == mb) for mb in sizes]
-        ax.bar([i + 0.27 * (j - 1) for i in range(len(sizes))], values, width=0.27, label=mode)
-    ax.set_xticks(range(len(sizes)), [f"buckets of {mb:g} MiB" for mb in sizes])
-    ax.set_ylabel("reduction after the last backward (ms)")
-    ax.set_title("pp = 2 × dp = 2, 4 CPU processes: the dp reduction left after the pipeline's last backward")
-    ax.legend(frameon=False)
-    return fig
+        ax.bar([i + 0.27 * (j - 1) for i in range(len(sizes))], values, width=0.27, label=LABELS.get(mode, mode))
+    ax.set_xticks(range(len(sizes)), [f"{mb:g} MiB" for mb in sizes])
+    ax.set(xlabel="gradient bucket size", ylabel="reduction left after the last backward (ms)")
+    report.legend_right(ax, title="buckets launched")
+    what = (
+        "The data-parallel reduction left after the pipeline's last backward\n"
+        f"pp = 2 × dp = 2 on 4 CPU processes, an MLP of {job['layers']} × Linear({job['width']}), "
+        f"N = {job['batch']}, M = {job['chunks']}"
+    )
+    return report.title(fig, what, data["environment"])
 
 
 def main() -> None:
@@ -167,7 +180,7 @@ def main() -> None:
         ]
     )
     data = {"command": report.command_line("dp_overlap"), "environment": env, "job": job, "rows": rows, "raw": result}
-    paths = report.write("dp_overlap", data, md, figure(rows), out_dir=args.out_dir)
+    paths = report.write("dp_overlap", data, md, out_dir=args.out_dir, plot=plot)
     print(md)
     print(paths)
 

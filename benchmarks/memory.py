@@ -270,9 +270,14 @@ def markdown(results: dict, env: dict, command: str, budget_mb: float, args: arg
     return "\n".join(out)
 
 
-def figure(results: dict, budget_mb: float) -> Any:
-    plt = report.pyplot()
-    fig, axes = plt.subplots(2, len(results), figsize=(6.5 * len(results), 8), squeeze=False)
+UNITS = {"L": "Transformer layers L", "D": "AmoebaNet-D filters D"}  # what a family's size counts
+
+
+def plot(data: dict) -> Any:
+    """The figure of a results file (its JSON, loaded). Top: model memory and peak activation per stage of every
+    configuration at the table's size; bottom: the largest size within the budget per stage."""
+    results, budget_mb = data["results"], data["budget_mb"]
+    fig, axes = report.subplots(2, len(results), figsize=(6.5 * len(results), 8.5))
     for j, (name, res) in enumerate(results.items()):
         u, ax = res["spec"]["unit"], axes[0][j]
         labels = [f"{r['config']}\n{s['stage']}" for r in res["table"] for s in r["stages"]]
@@ -280,15 +285,18 @@ def figure(results: dict, budget_mb: float) -> Any:
         ax.bar(labels, model, label="parameters, gradients, Adam")
         act = [s["peak_activation_bytes"] / MB for r in res["table"] for s in r["stages"]]
         ax.bar(labels, act, bottom=model, label="peak activations")
-        ax.set(title=f"{name}, {u} = {res['spec']['size']}: memory per stage", ylabel="MB")
+        ax.set_title(f"{name}, {u} = {res['spec']['size']}: memory per stage", fontsize=10)
+        ax.set(xlabel="configuration, stage index", ylabel="memory per stage (MiB)")
         ax.tick_params(axis="x", labelsize=7)
-        ax.legend(fontsize=8)
         found = {c: f for c, f in res["largest"].items() if f["largest"] is not None}
         bars = axes[1][j].bar(list(found), [f["largest"] for f in found.values()])
         axes[1][j].bar_label(bars, [f"{f['run']['params'] / 1e6:.1f}M params" for f in found.values()], fontsize=8)
-        axes[1][j].set(title=f"{name}: largest {u} within {budget_mb:g} MB per stage", ylabel=u)
-    fig.tight_layout()
-    return fig
+        axes[1][j].set_title(f"{name}: largest {u} within {budget_mb:g} MiB per stage", fontsize=10)
+        axes[1][j].set(xlabel="configuration", ylabel=f"largest {UNITS.get(u, u)}")
+    report.legend_right(axes[0][-1])
+    where = "on the GPU (torch.cuda.max_memory_allocated)" if data["device"] == "cuda" else "on the CPU"
+    what = f"Memory per pipeline stage (GPipe Table 1): one training step with Adam, M = {data['chunks']}, {where}"
+    return report.title(fig, what, data["environment"])
 
 
 def main() -> None:
@@ -363,7 +371,7 @@ def main() -> None:
     md = markdown(results, env, command, budget_mb, args, notes)
     data = {"environment": env, "command": command, "budget_mb": budget_mb, "chunks": args.chunks}
     data |= {"device": args.device, "malloc_env": MALLOC_ENV, "notes": notes, "elapsed_s": elapsed}
-    paths = report.write("memory", data | {"results": results}, md, figure(results, budget_mb), out_dir=args.out_dir)
+    paths = report.write("memory", data | {"results": results}, md, out_dir=args.out_dir, plot=plot)
     print(md)
     print(f"# wrote {', '.join(paths.values())} in {time.perf_counter() - t0:.0f} s")
 

@@ -151,17 +151,27 @@ def write(args: argparse.Namespace, families: dict, runs: list, rows: list, time
     md += [f"- {n}: `{families[n]}`, size {families[n]['unit']} = {families[n]['size']}" for n in args.models]
     md += ["", f"## Peak activation per stage (M = {args.chunks}, checkpoint=never)", "", table(rows, MEM_COLS)]
     md += ["", "## Step time, the two schedules side by side", "", table(time_rows, TIME_COLS)]
-    plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4))
-    labels = [f"{r['model'][:5]} K={r['K']}\nstage {r['stage']}" for r in rows]
-    for j, s in enumerate(SCHEDULES):
-        ax.bar([i + (j - 0.5) * 0.4 for i in range(len(rows))], [r[f"{s}_mb"] for r in rows], 0.4, label=s)
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set(ylabel="peak activation (MB)", title=f"Peak activation per stage, M = {args.chunks}, checkpoint=never")
-    ax.legend()
-    fig.tight_layout()
     data = {"command": command, "environment": env, "chunks": args.chunks, "device": args.device, "runs": runs}
     data |= {"memory": rows, "time": time_rows, "total_s": total, "families": {n: families[n] for n in args.models}}
-    paths = report.write("memory_schedules", data, "\n".join(md), fig, out_dir=args.out_dir)
+    paths = report.write("memory_schedules", data, "\n".join(md), out_dir=args.out_dir, plot=plot)
     print("\n".join(md))
     print(f"# wrote {', '.join(paths.values())}")
+
+
+def plot(data: dict) -> Any:
+    """The figure of a results file (its JSON, loaded): peak activation per stage under GPipe and 1F1B."""
+    rows = data["memory"]
+    fig, axes = report.subplots(figsize=(max(7.0, 0.95 * len(rows) + 1.5), 4.6))
+    ax = axes[0][0]
+    labels = [f"{r['model']}\nK={r['K']}, stage {r['stage']}" for r in rows]
+    for j, s in enumerate(SCHEDULES):
+        xs = [i + (j - 0.5) * 0.4 for i in range(len(rows))]
+        ax.bar(xs, [r[f"{s}_mb"] for r in rows], 0.4, label={"gpipe": "GPipe", "1f1b": "1F1B"}.get(s, s))
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set(xlabel="model, K (stages), stage index", ylabel="peak activation of the step (MiB)")
+    report.legend_right(ax, title="schedule")
+    what = (
+        f"Peak activation per stage, GPipe vs 1F1B: the loss per micro-batch (train_step), M = {data['chunks']}, "
+        "checkpoint=never"
+    )
+    return report.title(fig, what, data["environment"])

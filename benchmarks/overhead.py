@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import time
@@ -122,8 +124,8 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             out[name] = {}
             for path in paths:
                 png = Path(job["out_dir"]) / f"overhead_{name}_k{world}_{path}.png"
-                plot_timeline(charts[path], png, title=f"{name}, K={world}, M={job['M']}, loss: {path}")
-                out[name][path] = {"steps": steps[path], "gantt": str(png)}
+                events = [dataclasses.asdict(e) for e in charts[path]]
+                out[name][path] = {"steps": steps[path], "gantt": str(png), "gantt_events": events}
     return out
 
 
@@ -151,23 +153,74 @@ COLUMNS: list[report.Column] = [
 ]
 
 
-def figure(rows: list[dict]) -> Any:
-    plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.42 * len(rows)))
-    labels = [f"{r['model']} K={r['K']} {r['path']} (eff. {r['efficiency']:.2f})" for r in rows]
-    left = [0.0] * len(rows)
+def _entries(data: dict) -> list[tuple[dict, dict]]:
+    """Each row of a results file with its raw entry (``steps``, ``gantt``...; older files: one path per model)."""
+    out = []
+    for r in data["rows"]:
+        entry = data["raw"][str(r["K"])][r["model"]]
+        out.append((r, entry if "steps" in entry else entry[r["path"]]))
+    return out
+
+
+def stacked_shares(data: dict) -> list[tuple[str, dict[str, float]]]:
+    """Per row of a results file: its label and the disjoint shares of the step it stacks (``STACK``), in %.
+
+    Each share is 100 × the median of the raw steps' fractions (the clean steps, as ``summarize`` picks them), so
+    every part is in the same unit whatever the row's stored columns are (older files stored ``waiting`` as a
+    fraction beside percentages).
+    """
+    out = []
+    for r, entry in _entries(data):
+        steps = entry["steps"]
+        clean = [s for s in steps if s["clean"]]
+        use = clean if len(clean) >= 3 else steps
+        shares = {key: 100 * statistics.median(s[key] for s in use) for key in STACK if key in steps[0]}
+        label = f"{r['model']} K={r['K']}" + (f" {r['path']}" if "path" in r else "")
+        label += f" (eff. {r['efficiency']:.2f})" if r.get("efficiency") is not None else ""
+        label += ", oversubscribed" if "oversubscribed" in (r.get("note") or "") else ""
+        out.append((label, shares))
+    return out
+
+
+def plot(data: dict) -> Any:
+    """The figure of a results file (its JSON, loaded): per configuration, the step's time as stacked shares (%)."""
+    bars = stacked_shares(data)
+    fig, axes = report.subplots(figsize=(11, 1.9 + 0.42 * len(bars)))
+    ax = axes[0][0]
+    labels = [label for label, _ in bars]
+    left = [0.0] * len(bars)
     for i, key in enumerate(STACK):
-        values = [r[key] for r in rows]
+        if not any(key in shares for _, shares in bars):
+            continue
+        values = [shares.get(key, 0.0) for _, shares in bars]
         ax.barh(labels, values, left=left, color=f"C{i}", label=key.replace("_", " "))
         left = [a + b for a, b in zip(left, values)]
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=8)
-    ax.set_xlabel("share of the step (%)")
-    ax.set_xlim(0, 100)
-    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
-    ax.set_title("Where a pipelined step's time goes, per loss path (medians of traced steps)")
-    fig.tight_layout()
-    return fig
+    ax.set_xlim(0, max([100.0, *left]))  # medians of disjoint parts: their sum may pass 100 a little
+    rows = data["rows"]
+    ylabel = "model, K (stages)" + (", loss path" if any("path" in r for r in rows) else "")
+    ylabel += " (efficiency)" if any(r.get("efficiency") is not None for r in rows) else ""
+    ax.set(xlabel="share of the step (%)", ylabel=ylabel)
+    report.legend_right(ax, title="part of the step")
+    M = rows[0]["M"] if rows else "?"
+    what = f"Where a pipelined step's time goes (GPipe Table 4): medians of traced steps, M = {M}"
+    return report.title(fig, what, data["environment"])
+
+
+def replot_extra(data: dict, out_dir: str | os.PathLike) -> list[Path]:
+    """Each configuration's Gantt chart, from the traced step the results file keeps (none in older files)."""
+    written = []
+    machine = report.machine_label(data["environment"])
+    for r, entry in _entries(data):
+        if not entry.get("gantt_events"):
+            continue
+        png = Path(out_dir) / Path(entry["gantt"]).name
+        events = [Event(**e) for e in entry["gantt_events"]]
+        path = f", loss: {r['path']}" if "path" in r else ""
+        plot_timeline(events, png, title=f"{r['model']}{path}; {machine}")
+        written.append(png)
+    return written
 
 
 def main() -> None:
@@ -250,7 +303,8 @@ def main() -> None:
         *[f"![{r['model']} K={r['K']} {r['path']}](overhead_{r['model']}_k{r['K']}_{r['path']}.png)" for r in rows],
     ]
     data = {"command": command, "environment": env, "models": models, "rows": rows, "raw": raw, "total_s": total}
-    paths = report.write("overhead", data, "\n".join(md), figure(rows), out_dir=args.out_dir)
+    paths = report.write("overhead", data, "\n".join(md), out_dir=args.out_dir, plot=plot)
+    replot_extra(json.loads(Path(paths["json"]).read_text()), args.out_dir)
     print("\n".join(md))
     print(f"# wrote {', '.join(paths.values())} ({total:.0f} s)")
 

@@ -123,31 +123,38 @@ def rows_of(w: Workload, per_layer: dict) -> list[dict]:
     return rows
 
 
-def figure(per_model: dict[str, dict], rows: list[dict]) -> Any:
-    plt = report.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+TARGET = 1.15  # the issue's bound on the costliest stage over the mean, drawn on the figure
+
+
+def plot(data: dict) -> Any:
+    """The figure of a results file (its JSON, loaded), for its first model: each layer's share of the model's
+    parameters, FLOPs and time; the costliest stage over the mean for each split."""
+    per_model, rows = data["per_layer"], data["rows"]
+    fig, axes = report.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    a, b = axes[0]
     name, layers = next(iter(per_model.items()))
     for key, style in (("parameters", ":"), ("flops", "-"), ("time_rated", "--")):
         if key in layers:
             total = sum(layers[key])
-            axes[0].plot([100 * c / total for c in layers[key]], style, marker=".", label=key.removesuffix("_rated"))
-    axes[0].set_xticks(range(len(layers["names"])), layers["names"], rotation=90, fontsize=7)
-    axes[0].set_ylabel("share of the whole (%)")
-    axes[0].set_title(f"{name}: per-layer cost", fontsize=10)
-    axes[0].legend(fontsize=8)
+            label = {"flops": "forward FLOPs", "time_rated": "measured time"}.get(key, key)
+            a.plot([100 * c / total for c in layers[key]], style, marker=".", label=label)
+    a.set_xticks(range(len(layers["names"])), layers["names"], rotation=90, fontsize=7)
+    a.set(xlabel="layer", ylabel="share of the model's total (%)")
+    a.set_title(f"per-layer cost, one micro-batch of {layers['micro_batch']}", fontsize=10)
+    report.legend_right(a, title="cost")
     picked = [r for r in rows if r["model"] == name]
-    labels = [f"K={r['K']}\n{r['partition']}" for r in picked]
+    labels = [f"K={r['K']}\n{r['partition'].replace('parameters', 'params')}" for r in picked]
     x = range(len(picked))
-    axes[1].bar([i - 0.2 for i in x], [r["flops_ratio"] for r in picked], width=0.4, label="in FLOPs")
+    b.bar([i - 0.2 for i in x], [r["flops_ratio"] for r in picked], width=0.4, label="in FLOPs")
     if all(r["time_ratio"] is not None for r in picked):
-        axes[1].bar([i + 0.2 for i in x], [r["time_ratio"] for r in picked], width=0.4, label="in measured time")
-    axes[1].axhline(1.15, color="gray", linestyle=":", linewidth=1)
-    axes[1].set_xticks(list(x), labels, fontsize=7)
-    axes[1].set_ylabel("costliest stage / mean")
-    axes[1].set_title("partition by parameters, FLOPs or time", fontsize=10)
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+        b.bar([i + 0.2 for i in x], [r["time_ratio"] for r in picked], width=0.4, label="in measured time")
+    b.axhline(TARGET, color="gray", linestyle=":", linewidth=1, label=f"target {TARGET:g}")
+    b.set_xticks(list(x), labels, fontsize=7)
+    b.set(xlabel="K (stages), split by", ylabel="costliest stage / mean stage (×)")
+    b.set_title("each split rated in FLOPs and in measured time", fontsize=10)
+    report.legend_right(b, title="cost rated")
+    what = f"Default partitions of {name}: split by parameters, forward FLOPs or measured time"
+    return report.title(fig, what, data["environment"])
 
 
 def main() -> None:
@@ -198,7 +205,7 @@ def main() -> None:
     )
     data = {"command": command, "seconds": total, "repeat": repeat, "per_layer": per_model, "rows": rows}
     data["environment"] = env
-    paths = report.write("partition", data, markdown, figure(per_model, rows), out_dir=args.out_dir)
+    paths = report.write("partition", data, markdown, out_dir=args.out_dir, plot=plot)
     print(markdown)
     print(f"wrote {', '.join(paths.values())}")
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import re
-import textwrap
 import time
 from typing import Any
 
@@ -160,28 +158,44 @@ def tabulate(raw: dict, micro_batches: list[int]) -> tuple[list[dict], list[dict
     return rows, ratios
 
 
-def figure(rows: list[dict], micro_batches: list[int], var_rows: list[dict], probes: dict) -> Any:
-    """Left: samples/s per system and M; right: tokens/s at variable lengths, and what torch's built-once did."""
-    plt = report.pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
-    w = 0.8 / len(SYSTEMS)
-    for j, name in enumerate(SYSTEMS):
+def plot(data: dict) -> Any:
+    """The figure of a results file (its JSON, loaded). Left: samples/s per system and M; right: tokens/s at
+    variable lengths, and a one-line note of what torch's schedule built once did (the full errors: the JSON)."""
+    rows, var_rows, probes, shape = data["fixed"], data["variable"], data["torch_built_once"], data["job"]["shape"]
+    micro_batches = list(dict.fromkeys(r["M"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    colors = {name: f"C{j}" for j, name in enumerate(systems)}
+    spare = iter(f"C{j}" for j in range(10) if f"C{j}" not in colors.values())
+    for r in var_rows:
+        if r["system"] not in colors:
+            colors[r["system"]] = next(spare, "k")
+    fig, axes = report.subplots(1, 2, figsize=(13, 5.4), gridspec_kw={"width_ratios": [3, 2]})
+    a, b = axes[0]
+    w = 0.8 / len(systems)
+    for j, name in enumerate(systems):
         ys = [next(r["samples_per_s"] for r in rows if r["system"] == name and r["M"] == M) for M in micro_batches]
-        a.bar([i + (j - (len(SYSTEMS) - 1) / 2) * w for i in range(len(micro_batches))], ys, w, label=name)
+        xs = [i + (j - (len(systems) - 1) / 2) * w for i in range(len(micro_batches))]
+        a.bar(xs, ys, w, color=colors[name], label=name)
     a.set_xticks(range(len(micro_batches)), [f"M={M}" for M in micro_batches])
-    a.set(ylabel="samples/s (median step)", title=f"fixed shape, K=2, {wl.LAYERS} layers, batch {wl.BATCH}×{wl.SEQ}")
-    a.legend(fontsize=8)
-    names = [r["system"].replace(" ", "\n", 2) for r in var_rows] + ["torch GPipe\nbuilt once"]
-    b.bar(range(len(names)), [r["tokens_per_s"] for r in var_rows] + [0.0], color=["C0", "C3", "C2", "C4", "C7"])
-    b.set_xticks(range(len(names)), names, fontsize=7)
-    b.set(ylabel="tokens/s", title="variable sequence length per step")
-    short = "\n".join(p["short"] for p in probes.values())
-    b.text(len(names) - 1, 0, short, rotation=90, ha="center", va="bottom", fontsize=7, color="C3")
-    text = "\n".join(textwrap.fill(f"torch GPipe built once, {k}: {p['verdict']}", 190) for k, p in probes.items())
-    text = re.sub("[\U00010000-\U0010ffff\ufe0f]", "", text)  # no emoji in the plot's font
-    fig.text(0.01, 0.0, text, va="top", fontsize=7, color="C3")
-    fig.tight_layout()
-    return fig
+    a.set(xlabel="M (micro-batches)", ylabel="throughput (samples/s, median step)")
+    a.set_title(f"fixed shape, batch {shape['BATCH']} × {shape['SEQ']} tokens", fontsize=10)
+    fig.legend(*a.get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8)
+    names = [r["system"] for r in var_rows]
+    b.bar(range(len(names)), [r["tokens_per_s"] for r in var_rows], color=[colors[n] for n in names])
+    failed = [p["short"] for p in probes.values()]
+    labels = [n.replace(" ", "\n", 2) for n in names] + (["torch GPipe\nbuilt once"] if failed else [])
+    b.set_xticks(range(len(labels)), labels, fontsize=7)
+    b.set_xlim(-0.6, len(labels) - 0.4)
+    if failed:  # no bar: it did not run; why, in one line per probe
+        b.text(len(names), 0, "\n".join(failed), rotation=90, ha="center", va="bottom", fontsize=7, color="C3")
+    b.set(xlabel="system", ylabel="throughput (tokens/s over the clean timed steps)")
+    lengths, m = data["job"]["lengths"], data["job"]["var_m"]
+    b.set_title(f"a new sequence length every step ({min(lengths)}–{max(lengths)} tokens), M={m}", fontsize=10)
+    what = (
+        f"Ours vs torch.distributed.pipelining, K = 2: {shape['LAYERS']} Transformer encoder layers "
+        f"(d {shape['D_MODEL']}), MSE loss"
+    )
+    return report.title(fig, what, data["environment"])
 
 
 def table(rows: list[dict], spec: str) -> str:
@@ -273,7 +287,7 @@ def main() -> None:
     data = dict(command=report.command_line("peers"), environment=env, job={**job, "timing": vars(timing)})
     data.update(machine_check={"probe_gflops": gf, **background}, fixed=rows, ratios=ratios, variable=var_rows)
     data.update(variable_steps=raw["variable"], torch_built_once=probes, raw_fixed=raw["fixed"], total_s=total)
-    paths = report.write("peers", data, md, figure(rows, args.micro_batches, var_rows, probes), args.out_dir)
+    paths = report.write("peers", data, md, out_dir=args.out_dir, plot=plot)
     print(f"# wrote {', '.join(paths.values())}")
 
 

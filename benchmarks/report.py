@@ -1,14 +1,22 @@
 """What every benchmark writes: an environment header, its JSON, a Markdown table and a PNG plot, side by side."""
 
+# Every figure is a pure function of its results file: each benchmark module's ``plot(data)`` takes the loaded JSON
+# and returns the figure (or None), so the stored results can be redrawn without measuring anything again:
+#   python -m benchmarks.report --replot            # every benchmarks/results/**/<name>.json that has a figure
+
 from __future__ import annotations
 
+import argparse
+import importlib
 import importlib.metadata
 import json
 import os
+import re
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -68,17 +76,37 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     return "\n".join([head, rule, *body])
 
 
-def write(name: str, data: dict, markdown: str, figure: Any = None, out_dir: str | os.PathLike | None = None) -> dict:
-    """``results/<name>.json``, ``.md`` (and ``.png`` if ``figure`` is a matplotlib figure); returns the paths."""
+def write(
+    name: str,
+    data: dict,
+    markdown: str,
+    figure: Any = None,
+    out_dir: str | os.PathLike | None = None,
+    plot: Callable[[dict], Any] | None = None,
+) -> dict:
+    """``results/<name>.json``, ``.md`` and ``.png``; returns the paths.
+
+    The PNG is ``plot(data)`` drawn from the JSON as written (so a later ``--replot`` draws the same figure), or
+    ``figure`` when given instead; none when both are None or ``plot`` returns None.
+    """
     out = Path(out_dir) if out_dir is not None else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-    paths["json"].write_text(json.dumps(data, indent=1, default=str))
+    text = json.dumps(data, indent=1, default=str)
+    paths["json"].write_text(text)
     paths["md"].write_text(markdown.rstrip() + "\n")
+    if figure is None and plot is not None:
+        figure = plot(json.loads(text))
     if figure is not None:
         paths["png"] = out / f"{name}.png"
-        figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
+        save(figure, paths["png"])
     return {k: str(v) for k, v in paths.items()}
+
+
+def save(figure: Any, path: str | os.PathLike) -> None:
+    """The PNG of a figure, cropped to what it draws (legends outside the axes included), then the figure closed."""
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    pyplot().close(figure)
 
 
 def pyplot() -> Any:
@@ -89,3 +117,95 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# ------------------------------------------------------------------------------------------------------ figures
+def machine_label(env: dict) -> str:
+    """The machine a results file was measured on, for a figure's title: cores, CPU, GPU (if any), torch, date."""
+    cpu = re.sub(r"\s*\((R|TM)\)", "", env.get("cpu_model") or "unknown CPU")
+    label = f"{env.get('usable_cores', '?')}-core {cpu}"
+    accelerator = env.get("accelerator")
+    if accelerator and accelerator != "cpu":
+        label += f" (GPU host: {accelerator})"
+    torch_version = str(env.get("torch", "?")).split("+")[0]
+    return f"{label}, torch {torch_version}, {str(env.get('date', ''))[:10]}"
+
+
+def subplots(rows: int = 1, cols: int = 1, **kwargs: Any) -> tuple[Any, Any]:
+    """``plt.subplots`` on the Agg backend with constrained layout (titles and outside legends kept clear)."""
+    kwargs.setdefault("squeeze", False)
+    return pyplot().subplots(rows, cols, layout="constrained", **kwargs)
+
+
+def title(fig: Any, what: str, env: dict) -> Any:
+    """The figure's title: what it shows, then the machine it was measured on (``machine_label``)."""
+    fig.suptitle(f"{what}\n{machine_label(env)}", fontsize=11)
+    return fig
+
+
+def legend_right(ax: Any, **kwargs: Any) -> Any:
+    """The axes' legend outside it, on its right, top-aligned: never over the data."""
+    kwargs.setdefault("fontsize", 8)
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
+
+
+# The stem of a results file (less a "_run<N>" suffix: another run of the same command) -> the benchmark module
+# whose ``plot(data)`` draws its figure. Results without a figure (engine_speed, output_modes, traces) are absent.
+FIGURES = {
+    name: f"benchmarks.{name}"
+    for name in (
+        "throughput",
+        "peers",
+        "memory",
+        "memory_schedules",
+        "overhead",
+        "consistency",
+        "partition",
+        "dp_overlap",
+    )
+}
+
+
+def figure_module(path: str | os.PathLike) -> ModuleType | None:
+    """The benchmark module that draws ``path``'s figure, or None when that results file has none."""
+    name = FIGURES.get(re.sub(r"_run\d+$", "", Path(path).stem))
+    return importlib.import_module(name) if name else None
+
+
+def replot(results: str | os.PathLike = RESULTS, out_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Redraw every figure under ``results`` from its JSON alone (into ``out_dir``, same layout; default in place).
+
+    Returns the PNGs written. A module may also have ``replot_extra(data, out)`` for figures beside the main one.
+    """
+    results = Path(results)
+    written: list[Path] = []
+    for path in sorted(results.rglob("*.json")):
+        module = figure_module(path)
+        if module is None:
+            continue
+        data = json.loads(path.read_text())
+        out = (Path(out_dir) / path.parent.relative_to(results)) if out_dir is not None else path.parent
+        out.mkdir(parents=True, exist_ok=True)
+        fig = module.plot(data)
+        if fig is not None:
+            save(fig, out / f"{path.stem}.png")
+            written.append(out / f"{path.stem}.png")
+        if hasattr(module, "replot_extra"):
+            written += module.replot_extra(data, out)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Redraw the benchmarks' figures from their stored JSON results.")
+    parser.add_argument("--replot", action="store_true", help="redraw every figure from its results file")
+    parser.add_argument("--results", default=str(RESULTS), help="the results folder (searched recursively)")
+    parser.add_argument("--out-dir", default=None, help="write the PNGs here (same layout) instead of in place")
+    args = parser.parse_args(argv)
+    if not args.replot:
+        parser.error("nothing to do: pass --replot")
+    for png in replot(args.results, args.out_dir):
+        print(f"# wrote {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,8 @@ import argparse
 import copy
 import dataclasses
 import os
+import re
+import textwrap
 import time
 from functools import partial
 from typing import Any
@@ -134,26 +136,36 @@ def paper_layout(rows: list[dict], ks: list[int], ms: list[int]) -> str:
     return report.markdown_table(table, [("K", "", ""), *[(f"M{M}", f"M={M}", "") for M in ms]])
 
 
-def figure(rows: list[dict], models: list[str], ks: list[int], ms: list[int], cores: int) -> Any:
-    plt = report.pyplot()
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+def plot(data: dict) -> Any:
+    """The figure of a results file (its JSON, loaded): per model, speed-up over K = 1 against M, beside the ideal.
+
+    None when the run has no K > 1 measured against K = 1.
+    """
+    rows, ks, ms = data["rows"], data["setup"]["ks"], data["setup"]["micro_batches"]
+    models, cores = list(data["models"]), data["usable_cores"]
+    pipelines = [K for K in ks if K > 1 and any(r["K"] == K and r["speedup"] is not None for r in rows)]
+    if not pipelines:
+        return None
+    fig, axes = report.subplots(1, len(models), figsize=(5.5 * len(models), 4.6))
     for ax, name in zip(axes[0], models):
-        for i, K in enumerate(k for k in ks if k > 1):
+        for i, K in enumerate(pipelines):
             color = f"C{i}"
             pts = [r for r in rows if r["model"] == name and r["K"] == K and r["speedup"] is not None]
             over = K > cores
-            label = f"K={K}" + (" (oversubscribed)" if over else "")
+            label = f"K={K} measured" + (" (oversubscribed)" if over else "")
             ax.plot(
                 [r["M"] for r in pts], [r["speedup"] for r in pts], "o:" if over else "o-", color=color, label=label
             )
-            ax.plot(ms, [ideal(K, M) for M in ms], "--", color=color, alpha=0.6, label=f"ideal K={K}")
+            ax.plot(ms, [ideal(K, M) for M in ms], "--", color=color, alpha=0.6, label=f"K={K} ideal K·M/(M+K−1)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(ms, [str(M) for M in ms])
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(title=name, xlabel="M (micro-batches)", ylabel="speed-up over K=1 at the same M")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+        ax.set_title(textwrap.fill(data["models"][name]["model"], 60), fontsize=9)
+        ax.set(xlabel="M (micro-batches per step, same global batch)", ylabel="speed-up over K = 1 at the same M (×)")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center", ncol=len(pipelines), fontsize=8)
+    names = " and ".join(re.match(r"[^,(]*(\([^)]*\))?", data["models"][n]["model"]).group(0) for n in models)
+    what = f"Throughput (GPipe Table 2) of {names}: K pipeline stages, one CPU process each"
+    return report.title(fig, what, data["environment"])
 
 
 # ------------------------------------------------------------------------------------------------------- driver
@@ -310,8 +322,7 @@ def main() -> None:
         "probe_gflops": {K: raw[K]["probe_gflops"] for K in args.ks},
         "total_s": total,
     }
-    fig = figure(rows, args.models, args.ks, args.micro_batches, cores) if len(args.ks) > 1 else None
-    paths = report.write("throughput", data, "\n".join(md), fig, out_dir=args.out_dir)
+    paths = report.write("throughput", data, "\n".join(md), out_dir=args.out_dir, plot=plot)
     print("\n".join(md[len(report.environment_lines(env)) + 2 :]))
     print(f"# wrote {', '.join(paths.values())} ({total:.0f} s)")
 
