@@ -24,11 +24,13 @@ Balance = Union[Sequence[int], Literal["parameters", "time", "flops"], Callable[
 _ACCEPTED = "a sequence of K layer counts, 'parameters', 'time', 'flops', or a callable (index, layer) -> cost"
 
 
-def solve(costs: Sequence[float], K: int) -> list[int]:
+def solve(costs: Sequence[float], K: int, last_stage_scale: float = 1.0) -> list[int]:
     """Exact contiguous split of L=len(costs) layers into K non-empty stages minimising the costliest stage.
 
     Returns the layer counts per stage. Among optimal splits the last stage is as short as possible, then the one
     before it, and so on (earlier stages take the surplus): the last stage also runs the loss outside the backbone.
+    ``last_stage_scale`` weighs the last stage's layers (its work per unit of cost differs: with the loss inside
+    the pipeline the last stage never recomputes, the others do).
     """
     if isinstance(K, bool) or not isinstance(K, int):
         raise TypeError(f"K must be an int number of stages, got {K!r} ({type(K).__name__})")
@@ -50,11 +52,17 @@ def solve(costs: Sequence[float], K: int) -> list[int]:
     inf = math.inf
     best = [[inf] * (L + 1) for _ in range(K + 1)]
     best[0][0] = 0.0
+    if not (math.isfinite(last_stage_scale) and last_stage_scale > 0):
+        raise ValueError(f"last_stage_scale must be finite and > 0, got {last_stage_scale}")
+
+    def cost(k: int, i: int, j: int) -> float:  # stage k (1-based) holding layers i … j−1
+        return (prefix[j] - prefix[i]) * (last_stage_scale if k == K else 1.0)
+
     for k in range(1, K + 1):
         # Stages after k need at least one layer each, so j never exceeds L - (K - k).
         for j in range(k, L - (K - k) + 1):
-            prev, pj = best[k - 1], prefix[j]
-            best[k][j] = min(max(prev[i], pj - prefix[i]) for i in range(k - 1, j))
+            prev = best[k - 1]
+            best[k][j] = min(max(prev[i], cost(k, i, j)) for i in range(k - 1, j))
 
     # Reconstruct against the global optimum rather than each prefix's own optimum, so the tie-break above holds
     # over all optimal splits; the comparisons reuse the same float sums, so they are exact.
@@ -62,7 +70,7 @@ def solve(costs: Sequence[float], K: int) -> list[int]:
     counts: list[int] = []
     j = L
     for k in range(K, 0, -1):
-        i = next(i for i in range(j - 1, k - 2, -1) if best[k - 1][i] <= bound and prefix[j] - prefix[i] <= bound)
+        i = next(i for i in range(j - 1, k - 2, -1) if best[k - 1][i] <= bound and cost(k, i, j) <= bound)
         counts.append(j - i)
         j = i
     counts.reverse()

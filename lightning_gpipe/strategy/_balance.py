@@ -142,6 +142,7 @@ class Plan:
     kind: str  # a key of MEASURES
     costs: list[float] | None = None  # per layer, when measured here
     note: str = ""  # what balance="auto" chose, and why
+    last_stage_scale: float = 1.0  # how the split weighed the last stage's costs
 
 
 def plan_balance(
@@ -156,8 +157,10 @@ def plan_balance(
     rank: int,
     batch_dim: int,
     broadcast: Callable[[Any], Any],
+    last_stage_scale: float = 1.0,
 ) -> Plan:
-    """The same :class:`Plan` on every rank (collective for "auto", "flops" and "time")."""
+    """The same :class:`Plan` on every rank (collective for "auto", "flops" and "time"); measured costs of the last
+    stage's layers weighed by ``last_stage_scale``."""
     if isinstance(balance, str) and balance in ("auto", "flops", "time"):
         kind = "flops" if balance == "auto" else balance
         if balance == "auto" and getattr(module, "example_input_array", None) is None:
@@ -176,7 +179,11 @@ def plan_balance(
         if error is None and costs is not None:
             # Solved on every rank from the same costs: an error here (K > L) is raised alike everywhere.
             chose = "balance='auto' chose 'flops': the LightningModule has an example_input_array"
-            return Plan(solve(costs, K), kind, costs, chose if balance == "auto" else "")
+            note = chose if balance == "auto" else ""
+            if last_stage_scale != 1.0:
+                recompute = "the loss inside the pipeline: only the stages before the last recompute"
+                note = f"{note}; {recompute}, so the last stage's costs count × {last_stage_scale:g}".lstrip("; ")
+            return Plan(solve(costs, K, last_stage_scale), kind, costs, note, last_stage_scale)
         if balance != "auto":
             raise error if error is not None else RuntimeError("no layer costs were measured")
         if rank == 0:

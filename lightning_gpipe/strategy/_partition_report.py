@@ -84,7 +84,8 @@ class PartitionReport:
         note = f" ({self.plan.note})" if self.plan.note else ""
         costs = self.stage_costs
         worst = ""
-        if costs and sum(costs):
+        if costs and sum(costs):  # as the split weighed them
+            costs = [*costs[:-1], costs[-1] * self.plan.last_stage_scale]
             worst = f"; the costliest stage is {max(costs) * len(costs) / sum(costs):.2f}× the mean"
         return f"GPipeStrategy: self.{self.path} split into {self.K} stages by {MEASURES[self.plan.kind]}{note}{worst}"
 

@@ -358,3 +358,13 @@ def test_shared_parameters_lists_weights_used_on_several_stages() -> None:
     assert shared_parameters(module, [2, 1, 2]) == [("0.weight", (0, 2)), ("0.bias", (0, 1))]
     assert shared_parameters(module, [3, 2]) == [("0.weight", (0, 1))]  # the bias is tied within stage 0
     assert shared_parameters(module, [5]) == []
+
+
+def test_last_stage_scale_moves_layers_to_the_last_stage() -> None:
+    """With the loss inside the pipeline the last stage does not recompute: its layers weigh 3/4 as much."""
+    from lightning_gpipe.pipe.partition import solve
+
+    costs = [1.0] * 7
+    assert solve(costs, 2) == [4, 3]
+    assert solve(costs, 2, last_stage_scale=0.75) == [3, 4]  # max(3, 4 × 0.75) = 3 < max(4, 3 × 0.75) = 4
+    assert solve(costs, 3, last_stage_scale=0.5) == [2, 2, 3]

@@ -329,3 +329,26 @@ def test_auto_falls_back_to_parameters_when_counting_fails_and_flops_raises() ->
     module.example_input_array = None
     with pytest.raises(ValueError, match=r"GPipeStrategy\(balance='flops'\) counts each backbone layer's FLOPs"):
         plan(module, "flops")
+
+
+def test_the_loss_inside_weighs_the_last_stage_by_three_quarters() -> None:
+    """With the loss inside the pipeline only the stages before the last recompute (F + R + B against F + B): seven
+    equal layers split [3, 4] instead of [4, 3], and the setup says why."""
+    from lightning_gpipe.strategy._rank_pipeline import StageOptions
+    from lightning_gpipe.strategy.gpipe import GPipeStrategy
+    from tests.helpers.tiny_fit import lightning_module
+
+    module = Uneven()
+    module.backbone = nn.Sequential(*[nn.Linear(D, D) for _ in range(7)])
+    common = dict(on_meta=False, rank=0, batch_dim=0, broadcast=lambda obj: obj)
+    plain = plan_balance(module, module.backbone, "flops", 2, 4, torch.device("cpu"), **common)  # type: ignore[arg-type]
+    inside = plan_balance(module, module.backbone, "flops", 2, 4, torch.device("cpu"), last_stage_scale=0.75, **common)  # type: ignore[arg-type]
+    assert (plain.balance, inside.balance) == ([4, 3], [3, 4])
+    assert "only the stages before the last recompute, so the last stage's costs count × 0.75" in inside.note
+    strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=1)
+    for hooked, inside_expected in ((True, True), (False, False)):
+        strategy._lightning_module = lightning_module(hooked=hooked)
+        assert StageOptions.of(strategy).loss_inside is inside_expected
+    strategy.micro_batch_loss = False
+    strategy._lightning_module = lightning_module(hooked=True)
+    assert StageOptions.of(strategy).loss_inside is False
