@@ -53,19 +53,42 @@ _Model = pl.LightningModule | nn.Module | None
 class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
 
-    The backbone (``backbone``, a dotted attribute path) is split into K = ``pipeline_parallel_size`` stages, one
-    process each; the other processes are data-parallel replicas of the pipeline. Each mini-batch runs as M =
-    ``chunks`` micro-batches. ``micro_batch_loss="auto"``: a module that defines ``pipeline_loss(self, output,
-    batch)`` and calls ``self.pipeline_loss(self.backbone(x), batch)`` gets it run per micro-batch on the last stage
-    inside the pipeline, by ``schedule`` ``"gpipe"`` or ``"1f1b"`` (less memory); logs, metrics and the loss stay
-    the whole batch's on every rank. Otherwise (or ``False``) the backbone call in an unchanged ``training_step``
-    gives every stage the whole output (``output="all"``), or zeros of its shape to all but the last
-    (``"placeholder"``: values, logs and metric states then copied from the last stage); ``backward`` drains it.
-    ``balance``: ``"auto"`` is "flops" (each layer's forward FLOPs on one micro-batch of ``example_input_array``)
-    or, without one, "parameters"; also ``"time"`` (measured on rank 0), layer counts, or ``fn(i, layer) -> cost``.
-    ``trace_dir`` writes the training steps ``trace_steps`` as Chrome traces and Gantt charts of every stage.
-    ``check_batches``: when the stages compare fingerprints of their batches (which must be equal): the ``"first"``
-    training step of every epoch, ``"always"`` or ``"never"``.
+    The backbone is split into K stages, one process each; the other processes are data-parallel replicas of the
+    pipeline (global rank d·K + k is stage k of replica d). Each mini-batch runs as M micro-batches. A module that
+    defines ``pipeline_loss(self, output, batch)`` and calls ``self.pipeline_loss(self.backbone(x), batch)`` gets
+    its loss run per micro-batch on the last stage, inside the pipeline; an unchanged ``training_step`` still works
+    (the loss then runs on the whole output between the phases). Guide: ``docs/guide.md``.
+
+    Args:
+        chunks: M, the micro-batches per mini-batch (M ≥ 4K keeps GPipe's bubble (K−1)/(M+K−1) small). A batch
+            smaller than M runs as fewer micro-batches, with a warning.
+        pipeline_parallel_size: K, the pipeline stages; ``"auto"``: all processes in one pipeline (no data
+            parallelism). The world size must be a multiple of K.
+        backbone: dotted attribute path of the ``nn.Sequential`` to pipeline (``"backbone"``, ``"vit.blocks"``).
+        balance: how layers are split over the stages: ``"auto"`` ("flops" with an ``example_input_array``, else
+            "parameters"), ``"flops"``, ``"time"`` (measured on rank 0), ``"parameters"``, K layer counts, or
+            ``fn(index, layer) -> cost``. Rank 0 logs the split as a table at setup.
+        checkpoint: re-materialization: ``"except_last"`` recomputes each micro-batch's inner activations in the
+            backward except where its backward follows at once; ``"always"``; ``"never"`` keeps them all.
+        batch_dim: the dimension of the backbone's input and output that holds the samples (1 for time-major).
+        deferred_batch_norm: BatchNorm normalizes each micro-batch but updates its running statistics once per
+            mini-batch, as on one device.
+        output: with the loss outside the pipeline, ``"all"`` gives every stage the backbone's output;
+            ``"placeholder"`` gives the other stages zeros of its shape and copies logs and metrics from the last.
+        save_distributed_checkpoint: save a torch.distributed.checkpoint folder (each rank its shard); ``False``
+            writes one file with the plain module's keys, which ``load_from_checkpoint`` reads into a plain module
+            (a folder consolidates into one with Lightning's tool). Either resumes in any layout.
+        bucket_size_mb: size of the buckets of the data-parallel gradient all-reduce.
+        process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` on CPU by default.
+        timeout: of every collective and peer-to-peer wait; a stage that fails or hangs raises on every rank.
+        trace_dir: write the ``trace_steps`` as Chrome traces and Gantt charts of every stage here (matplotlib).
+        trace_steps: the optimizer steps (``trainer.global_step`` at their start) to trace.
+        check_batches: when the stages compare fingerprints of their batches, which must be equal: the
+            ``"first"`` step of every epoch, ``"always"`` or ``"never"``.
+        micro_batch_loss: ``"auto"`` runs ``pipeline_loss`` inside the pipeline where the module defines it;
+            ``True`` requires it, ``False`` keeps the loss on the whole output.
+        schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (at most
+            K − k micro-batches held on stage k: less memory, measured a little slower).
     """
 
     strategy_name = "gpipe"

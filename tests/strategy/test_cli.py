@@ -93,3 +93,26 @@ except ImportError as e:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "GPipeStrategy needs Lightning" in done.stdout, done.stdout
+
+
+def test_every_strategy_argument_is_explained_in_the_cli_help() -> None:
+    """``--trainer.strategy.help lightning_gpipe.GPipeStrategy`` shows the docstring's ``Args:`` for each one."""
+    import inspect
+    import re
+
+    from jsonargparse import ArgumentParser
+
+    from lightning_gpipe import GPipeStrategy
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(GPipeStrategy, "strategy")
+    text = parser.format_help()
+    text = text[text.index("options:") :]  # past the usage line
+    names = [n for n in inspect.signature(GPipeStrategy.__init__).parameters if n != "self"]
+    starts = {n: text.index(f"\n  --strategy.{n} ") for n in names}
+    ends = [*sorted(starts.values()), len(text)]
+    for name, at in starts.items():
+        block = " ".join(text[at : ends[ends.index(at) + 1]].split())
+        described = block.split("(type:")[0]
+        # The option, its metavar, then the docstring's description (words) before "(type: ...)".
+        assert len(re.findall(r"[A-Za-z]{2,}", described.split(" ", 2)[-1])) >= 4, (name, block)
