@@ -28,7 +28,7 @@ LOWER = (*COMMUNICATION, "status")
 def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str = "") -> dict[str, Any]:
     """Draw ``events`` (every stage of one pipeline, one step) to ``path``; returns :func:`breakdown`'s statistics.
 
-    Needs matplotlib (``pip install matplotlib``).
+    Needs matplotlib (``pip install "lightning-gpipe[timeline]"``).
     """
     try:
         import matplotlib
@@ -37,7 +37,7 @@ def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str =
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as missing:  # pragma: no cover - depends on the environment
-        raise ImportError("drawing a pipeline timeline needs matplotlib: pip install matplotlib") from missing
+        raise ImportError("drawing a pipeline timeline needs matplotlib: pip install 'lightning-gpipe[timeline]'") from missing
 
     stats = breakdown(events)
     origin = min(e.start_ns for e in events)

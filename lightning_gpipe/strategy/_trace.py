@@ -34,7 +34,7 @@ def check_trace_args(trace_dir: str | None, trace_steps: int | Sequence[int]) ->
         except ImportError as e:
             raise ImportError(
                 "GPipeStrategy(trace_dir=...) draws each traced step as a PNG with matplotlib, which is not "
-                "installed: pip install matplotlib (or lightning-gpipe[examples]), or leave trace_dir unset"
+                "installed: pip install 'lightning-gpipe[timeline]' (or matplotlib), or leave trace_dir unset"
             ) from e
     return steps
 
