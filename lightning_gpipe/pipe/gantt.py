@@ -37,7 +37,8 @@ def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str =
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as missing:  # pragma: no cover - depends on the environment
-        raise ImportError("drawing a pipeline timeline needs matplotlib: pip install 'lightning-gpipe[timeline]'") from missing
+        message = "drawing a pipeline timeline needs matplotlib: pip install 'lightning-gpipe[timeline]'"
+        raise ImportError(message) from missing
 
     stats = breakdown(events)
     origin = min(e.start_ns for e in events)
