@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_gpipe.pipe.hierarchy import Hierarchy
+
 __all__ = [
     "BucketedAllReduce",
     "OverlappedReduction",
@@ -118,6 +120,13 @@ def sum_over_pipeline(params: Sequence[nn.Parameter], pp_group: dist.ProcessGrou
         _unpack(group, buffer)
 
 
+def launch_sum(buffer: torch.Tensor, dp_group: dist.ProcessGroup | None, hierarchy: Hierarchy | None) -> Any:
+    """Start the SUM of ``buffer`` over the dp group: flat, or in ``hierarchy``'s steps; ``wait()`` finishes it."""
+    if hierarchy is not None:
+        return hierarchy.all_reduce(buffer)
+    return dist.all_reduce(buffer, group=dp_group, async_op=True)
+
+
 class BucketedAllReduce:
     """Averages gradients over the dp group in fused buckets (DDP's 25 MiB default; the Jizhi paper's tensor fusion
     threshold θ).
@@ -136,12 +145,13 @@ class BucketedAllReduce:
         params: Sequence[nn.Parameter],
         dp_group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        hierarchy: Hierarchy | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         # Not filtered by requires_grad: a parameter unfrozen after setup must still be averaged.
         self.params = _unique(params)
-        self.dp_group = dp_group
+        self.dp_group, self.hierarchy = dp_group, hierarchy
         self.bucket_bytes = bucket_bytes
         self._plan_keys: list[tuple[int, torch.dtype, torch.device]] = []
         self.buckets: list[list[nn.Parameter]] = []
@@ -195,7 +205,7 @@ class BucketedAllReduce:
         for i, bucket in enumerate(self.buckets):
             buffer = self._buffer(i)
             _pack(bucket, buffer)
-            pending.append((bucket, buffer, dist.all_reduce(buffer, group=self.dp_group, async_op=True)))
+            pending.append((bucket, buffer, launch_sum(buffer, self.dp_group, self.hierarchy)))
         return PendingReduction(world, pending)
 
 
@@ -235,11 +245,13 @@ class OverlappedReduction:
         copied: Sequence[nn.Parameter],
         dp_group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        hierarchy: Hierarchy | None = None,
     ) -> None:
         copied_ids = {id(p) for p in copied}
         params = _unique(params)
-        self.own = BucketedAllReduce([p for p in params if id(p) not in copied_ids], dp_group, bucket_bytes)
-        self.copied = BucketedAllReduce([p for p in params if id(p) in copied_ids], dp_group, bucket_bytes)
+        own = [p for p in params if id(p) not in copied_ids]
+        self.own = BucketedAllReduce(own, dp_group, bucket_bytes, hierarchy)
+        self.copied = BucketedAllReduce([p for p in params if id(p) in copied_ids], dp_group, bucket_bytes, hierarchy)
 
     @property
     def num_buckets(self) -> int:

@@ -8,7 +8,15 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.grads import BucketedAllReduce, PendingReduction, _group_size, _pack, used_somewhere
+from lightning_gpipe.pipe.grads import (
+    BucketedAllReduce,
+    PendingReduction,
+    _group_size,
+    _pack,
+    launch_sum,
+    used_somewhere,
+)
+from lightning_gpipe.pipe.hierarchy import Hierarchy
 
 
 class ReadyBuckets:
@@ -23,9 +31,15 @@ class ReadyBuckets:
     element is the same sum over the same replicas as :class:`BucketedAllReduce` makes.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], dp_group: dist.ProcessGroup | None, bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        dp_group: dist.ProcessGroup | None,
+        bucket_bytes: int,
+        hierarchy: Hierarchy | None = None,
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self.dp_group, self.bucket_bytes = dp_group, bucket_bytes
+        self.dp_group, self.bucket_bytes, self.hierarchy = dp_group, bucket_bytes, hierarchy
         self._reduce: BucketedAllReduce | None = None
         self._planned: set[int] = set()
         self._missing: list[int] = []  # per bucket: gradients not in yet
@@ -41,7 +55,9 @@ class ReadyBuckets:
         active = used_somewhere(self.params, self.dp_group)
         reduce = self._reduce
         if reduce is None or [id(p) for p in reduce.params] != [id(p) for p in reversed(active)]:
-            reduce = self._reduce = BucketedAllReduce(list(reversed(active)), self.dp_group, self.bucket_bytes)
+            reduce = self._reduce = BucketedAllReduce(
+                list(reversed(active)), self.dp_group, self.bucket_bytes, self.hierarchy
+            )
         self._planned = {id(p) for p in active}
         self._missing = [len(b) for b in reduce.buckets]
         self._bucket_of = {id(p): i for i, b in enumerate(reduce.buckets) for p in b}
@@ -64,7 +80,7 @@ class ReadyBuckets:
                 return
             bucket, buffer = reduce.buckets[i], reduce._buffer(i)
             _pack(bucket, buffer)
-            self._launched.append((bucket, buffer, dist.all_reduce(buffer, group=self.dp_group, async_op=True)))
+            self._launched.append((bucket, buffer, launch_sum(buffer, self.dp_group, self.hierarchy)))
 
     def launch_rest(self) -> PendingReduction:
         """After the last backward op: the buckets not launched yet, then the late parameters' own reduction."""
@@ -78,6 +94,6 @@ class ReadyBuckets:
         pending = PendingReduction(world, self._launched)
         late = [p for p in self.params if id(p) not in self._planned]
         if late:  # every replica passes the same list: the agreement inside start() finds which have gradients
-            late_pending = BucketedAllReduce(late, self.dp_group, self.bucket_bytes).start()
+            late_pending = BucketedAllReduce(late, self.dp_group, self.bucket_bytes, self.hierarchy).start()
             pending.pending.extend(late_pending.pending)
         return pending
