@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -12,10 +12,14 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_gpipe.pipe.hierarchy import Hierarchy, build_hierarchies
+from lightning_gpipe.strategy._audit import logger
 from lightning_gpipe.strategy._clean_exit import destroy_at_exit
 from lightning_gpipe.strategy._lightning_internals import init_dist_connection
 
 T = TypeVar("T")
+DpReduction = Literal["auto", "flat", "hierarchical"]
+DP_REDUCTIONS = ("auto", "flat", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,8 @@ class PipelineMesh:
 
     ``pp_group`` holds the K stages of this rank's pipeline, ``dp_group`` the replicas of this rank's stage, and
     ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU.
-    ``timeout_s``: how long a rank waits for another, the process groups' timeout.
+    ``timeout_s``: how long a rank waits for another, the process groups' timeout. ``dp_hierarchy``: this rank's
+    part of the hierarchical data-parallel reduction, or None for the flat one.
     """
 
     K: int
@@ -34,10 +39,18 @@ class PipelineMesh:
     dp_group: dist.ProcessGroup
     header_group: dist.ProcessGroup
     timeout_s: float
+    dp_hierarchy: Hierarchy | None = None
 
     @classmethod
     def join(
-        cls, environment: ClusterEnvironment, backend: str, timeout: timedelta | None, device: torch.device, K: int
+        cls,
+        environment: ClusterEnvironment,
+        backend: str,
+        timeout: timedelta | None,
+        device: torch.device,
+        K: int,
+        per_node: int = 1,
+        dp_reduction: DpReduction = "flat",
     ) -> PipelineMesh:
         """Join the world's process group (as Lightning's strategies do), then lay the mesh out over it."""
         init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
@@ -48,7 +61,25 @@ class PipelineMesh:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         pp_group, dp_group = mesh["pipeline_parallel"].get_group(), mesh["data_parallel"].get_group()
         header_group = _cpu_group(pp_group, world_size, K, rank)
-        return cls(K, rank, mesh, pp_group, dp_group, header_group, (timeout or default_pg_timeout).total_seconds())
+        hierarchy = None
+        if hierarchical(dp_reduction, world_size, K, per_node):
+            dp_groups = [list(range(k, world_size, K)) for k in range(K)]
+            hierarchy = build_hierarchies(dp_groups, lambda r: r // per_node, rank)
+            if rank == 0 and hierarchy is not None:
+                logger.info(
+                    f"GPipeStrategy: data-parallel reduction in steps over {hierarchy.nodes} nodes: within each node, "
+                    "among one rank per node, then back (dp_reduction='hierarchical')"
+                )
+        timeout_s = (timeout or default_pg_timeout).total_seconds()
+        return cls(K, rank, mesh, pp_group, dp_group, header_group, timeout_s, hierarchy)
+
+
+def hierarchical(dp_reduction: DpReduction, world_size: int, K: int, per_node: int) -> bool:
+    """Whether the dp reduction goes in Jizhi's steps: asked for, or ``"auto"`` where replicas of a stage share a
+    node and others sit on other nodes (only then does a node's part save inter-node traffic)."""
+    if dp_reduction != "auto":
+        return dp_reduction == "hierarchical"
+    return world_size > per_node and per_node > K
 
 
 def _cpu_group(pp_group: dist.ProcessGroup, world_size: int, K: int, rank: int) -> dist.ProcessGroup:

@@ -156,8 +156,9 @@ class RankPipeline:
         sync_metrics_over(module, mesh.dp_group)
         # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere.
         params, copied = list(module.parameters()), self.copies.copied
-        self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes)
-        self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes)
+        hierarchy = mesh.dp_hierarchy
+        self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes, hierarchy)
+        self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes, hierarchy)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
 
     def backward(

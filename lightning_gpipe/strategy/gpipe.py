@@ -39,7 +39,15 @@ from lightning_gpipe.strategy._balance import StrategyBalance
 from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
 from lightning_gpipe.strategy._clean_exit import keep_at_exit
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
-from lightning_gpipe.strategy._mesh import PipelineMesh, default_backend, world_barrier, world_broadcast, world_vote
+from lightning_gpipe.strategy._mesh import (
+    DP_REDUCTIONS,
+    DpReduction,
+    PipelineMesh,
+    default_backend,
+    world_barrier,
+    world_broadcast,
+    world_vote,
+)
 from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
 from lightning_gpipe.strategy._partition_report import show as show_partition
 from lightning_gpipe.strategy._predict import mute_prediction_output, unmute
@@ -89,6 +97,9 @@ class GPipeStrategy(ParallelStrategy):
             ``True`` requires it, ``False`` keeps the loss on the whole output.
         schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (at most
             K − k micro-batches held on stage k: less memory, measured a little slower).
+        dp_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket), ``"hierarchical"``
+            (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back; the same means to
+            fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and span several.
     """
 
     strategy_name = "gpipe"
@@ -113,10 +124,14 @@ class GPipeStrategy(ParallelStrategy):
         check_batches: CheckBatches = "first",
         micro_batch_loss: bool | Literal["auto"] = "auto",
         schedule: ScheduleName = "gpipe",
+        dp_reduction: DpReduction = "auto",
     ) -> None:
         super().__init__()
         check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim, check_batches, balance)
         check_loss_path(micro_batch_loss, schedule)
+        if dp_reduction not in DP_REDUCTIONS:
+            raise ValueError(f"GPipeStrategy(dp_reduction={dp_reduction!r}): choose one of {list(DP_REDUCTIONS)}")
+        self.dp_reduction = dp_reduction
         self.micro_batch_loss, self.schedule = micro_batch_loss, schedule
         self._micro: MicroBatchLoss | None = None
         self.trace_steps = check_trace_args(trace_dir, trace_steps)
@@ -214,7 +229,9 @@ class GPipeStrategy(ParallelStrategy):
         check_world_size(K, self.world_size, self.num_nodes, self.num_processes)
         backend = self._process_group_backend = self._process_group_backend or default_backend(device)
         assert self.cluster_environment is not None
-        self._pipeline_mesh = PipelineMesh.join(self.cluster_environment, backend, self._timeout, device, K)
+        self._pipeline_mesh = PipelineMesh.join(
+            self.cluster_environment, backend, self._timeout, device, K, max(1, self.num_processes), self.dp_reduction
+        )
         assert self.lightning_module is not None
         internals.set_device_mesh(self.lightning_module, self._pipeline_mesh.device_mesh)
 

@@ -72,14 +72,14 @@ def lightning_module(momentum: float = 0.0, tied: bool = False, hooked: bool = F
     return (TinyHooked if hooked else TinyPipelined)(momentum=momentum, tied=tied)
 
 
-def reference(dp: int, clip: float | None, tied: bool = False) -> dict[str, torch.Tensor]:
+def reference(dp: int, clip: float | None, tied: bool = False, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """Plain torch; each step averages the gradients of the dp replicas' batches (DistributedSampler shards)."""
     net = Net(tied)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     x_all, y_all = dataset().tensors
     # Lightning shuffles a training loader's injected DistributedSampler (seed 0, epoch 0).
     shards = [torch.tensor(list(DistributedSampler(dataset(), num_replicas=dp, rank=d, seed=0))) for d in range(dp)]
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         for shard in shards:
             idx = shard[step * BATCH : (step + 1) * BATCH]

@@ -42,3 +42,15 @@ def test_good_arguments_are_kept() -> None:
     strategy = GPipeStrategy(chunks=4, pipeline_parallel_size=2, checkpoint="never", output="placeholder", batch_dim=1)
     assert (strategy.chunks, strategy.checkpoint, strategy.output, strategy.batch_dim) == (4, "never", "placeholder", 1)
     assert GPipeStrategy.strategy_name == "gpipe"
+
+
+def test_dp_reduction_is_named_and_auto_goes_hierarchical_only_where_it_saves_traffic() -> None:
+    from lightning_gpipe.strategy._mesh import hierarchical
+
+    with pytest.raises(ValueError, match=r"dp_reduction='tree'\): choose one of \['auto', 'flat', 'hierarchical'\]"):
+        GPipeStrategy(dp_reduction="tree")  # type: ignore[arg-type]
+    # (world size, K, processes per node): replicas of a stage on one node and on others only in the first.
+    assert hierarchical("auto", 8, 2, 4) and hierarchical("auto", 4, 1, 2)
+    assert not hierarchical("auto", 4, 2, 2)  # one replica of each stage per node
+    assert not hierarchical("auto", 4, 1, 4)  # one node
+    assert hierarchical("hierarchical", 4, 1, 4) and not hierarchical("flat", 8, 2, 4)

@@ -62,10 +62,8 @@ def test_lightning_launcher(tmp_path: Path) -> None:
     assert len({r["threads"] for r in results}) == 1, results
 
 
-@pytest.mark.timeout(260)
-def test_two_nodes(tmp_path: Path) -> None:
-    """num_nodes=2, shown on one machine: two torchrun launches, one process each, meeting on 127.0.0.1."""
-    out, port = tmp_path / "result", _free_port()
+def _two_node_launch(out: Path, per_node: int, script_args: list[str]) -> None:
+    port = _free_port()
     env = {**root_on_path(), "OMP_NUM_THREADS": "1"}
     launches = [
         subprocess.Popen(
@@ -78,7 +76,7 @@ def test_two_nodes(tmp_path: Path) -> None:
                 "--node-rank",
                 str(node),
                 "--nproc-per-node",
-                "1",
+                str(per_node),
                 "--master-addr",
                 "127.0.0.1",
                 "--master-port",
@@ -86,8 +84,7 @@ def test_two_nodes(tmp_path: Path) -> None:
                 "--module",
                 SCRIPT[1],
                 str(out),
-                "2",
-                "1",
+                *script_args,
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -102,7 +99,25 @@ def test_two_nodes(tmp_path: Path) -> None:
         for p in launches:
             p.kill()
     assert all(p.returncode == 0 for p in launches), "\n".join(log[-3000:] for log in logs)
+
+
+@pytest.mark.timeout(260)
+def test_two_nodes(tmp_path: Path) -> None:
+    """num_nodes=2, shown on one machine: two torchrun launches, one process each, meeting on 127.0.0.1."""
+    out = tmp_path / "result"
+    _two_node_launch(out, 1, ["2", "1"])
     _check([json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)])
+
+
+@pytest.mark.timeout(260)
+def test_two_nodes_reduce_hierarchically(tmp_path: Path) -> None:
+    """2 nodes × 2 processes, K = 1: four replicas, two on each node, so dp_reduction="auto" reduces in Jizhi's
+    steps; every replica ends where the plain model does, trained on the four replicas' batches."""
+    out = tmp_path / "result"
+    _two_node_launch(out, 2, ["2", "2", "1", "auto"])
+    results = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(4)]
+    assert [r["hierarchical"] for r in results] == [True] * 4, results
+    assert all(r["err"] <= 1e-6 for r in results), results
 
 
 @pytest.mark.timeout(260)
