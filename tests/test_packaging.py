@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email
 import json
+import shutil
 import site
 import subprocess
 import sys
@@ -59,9 +60,13 @@ FIT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # From a copy without this checkout's build/ (setuptools would reuse, and could ship, stale files from it).
+    source = tmp_path_factory.mktemp("source") / "lightning-gpipe"
+    skip = shutil.ignore_patterns(".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".*_cache")
+    shutil.copytree(ROOT, source, ignore=skip)
     # Built as a user's pip builds it (isolated, setuptools from pip's index or cache), without the dependencies.
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
         check=True,
         timeout=180,
     )
