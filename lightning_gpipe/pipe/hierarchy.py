@@ -1,11 +1,11 @@
 """Jizhi's hierarchical all-reduce: sum within each node, all-reduce across nodes among one rank each, broadcast.
 
-For a data-parallel group spread over N nodes with r replicas on each, a flat ring all-reduce moves about
-2·(N·r − 1)/(N·r) of the buffer over the slow inter-node links per rank; the hierarchical one moves 2·(N − 1)/N
-of it per node leader and nothing for the other r − 1 ranks of a node — the inter-node traffic of one rank per
-node instead of r. Sums: ((replicas of node 0) + (replicas of node 1) + …), each node's part summed first, so the
-result equals the flat sum up to fp32 rounding (exactly where the flat backend sums in the same grouping, or where
-the values are integers).
+With N nodes of r replicas each and ring all-reduces (gloo's, NCCL's), a flat reduction is one ring of N·r ranks:
+each node sends 2(Nr − 1)/(Nr) of the buffer over its link, in 2(Nr − 1) latency-bound steps. The hierarchical
+one rings only the N leaders: 2(N − 1)/N of the buffer per node, in 2(N − 1) steps — 1.5× fewer bytes at 2 nodes,
+about the same at many, and r× fewer steps over the slow links (``benchmarks/dp_cost_model.py``). Sums: each
+node's part first, then across nodes, so the result equals the flat sum up to fp32 rounding (exactly for integer
+values).
 """
 
 from __future__ import annotations
