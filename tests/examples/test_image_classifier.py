@@ -85,7 +85,7 @@ def numpy_state(module: nn.Module) -> dict[str, Any]:
     return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
 
 
-def fit_pipelined(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+def fit_pipelined(rank: int, world_size: int, workdir: str, optimizer: str) -> dict[str, Any]:
     """K = 2, M = 3: train, save a checkpoint, then fine-tune from it to 3 classes."""
     import lightning.pytorch as pl
 
@@ -93,7 +93,7 @@ def fit_pipelined(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
 
     warnings.simplefilter("ignore")
     pl.seed_everything(SEED)
-    module = ImageClassifier(**TINY, **TINY_SCHEDULE)
+    module = ImageClassifier(**TINY, **TINY_SCHEDULE, optimizer=optimizer)  # type: ignore[arg-type]
     trainer = quiet_trainer(
         devices=2,
         strategy=GPipeStrategy(chunks=CHUNKS),
@@ -125,14 +125,17 @@ def rel_err(a: Tensor, b: Tensor) -> float:
 
 
 @pytest.mark.timeout(300)
-def test_pipelined_recipe_equals_plain_run_and_fine_tunes(tmp_path: Path) -> None:
-    per_rank = run_distributed(fit_pipelined, 2, str(tmp_path), timeout=280, lightning=True)
+@pytest.mark.parametrize("optimizer", ["rmsprop", "lars"])
+def test_pipelined_recipe_equals_plain_run_and_fine_tunes(tmp_path: Path, optimizer: str) -> None:
+    """LARS: each layer's trust ratio ‖w‖/‖∇w‖ is over the whole parameter, which one stage holds whole (and a
+    copy on another stage gets the summed gradient), so the pipelined run equals the plain one."""
+    per_rank = run_distributed(fit_pipelined, 2, str(tmp_path), optimizer, timeout=280, lightning=True)
     for rank in per_rank:
         for part in ("trained", "fine_tune_start"):
             rank[part] = {k: torch.from_numpy(v) for k, v in rank[part].items()}
 
     torch.manual_seed(SEED)
-    plain = PlainMicroBatched(**TINY, **TINY_SCHEDULE)
+    plain = PlainMicroBatched(**TINY, **TINY_SCHEDULE, optimizer=optimizer)  # type: ignore[arg-type]
     quiet_trainer(devices=1, max_steps=STEPS, precision=PRECISION).fit(plain, loader())
     expected = plain.state_dict()
 
