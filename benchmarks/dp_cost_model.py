@@ -1,16 +1,4 @@
-"""Cost model of the data-parallel reduction, flat vs hierarchical: bytes over the inter-node links, steps per bucket.
-
-A model, not a measurement (one machine cannot show inter-node links). Ring all-reduce over P ranks (gloo's and
-NCCL's ring): every rank sends 2(P − 1)/P of the buffer, in 2(P − 1) latency-bound steps. With N nodes of r
-replicas of a stage, ranks numbered node by node:
-
-- flat, P = N·r: the ring leaves each node once, so each node sends 2(Nr − 1)/(Nr) · S over its link, in
-  2(Nr − 1) steps;
-- hierarchical (Jizhi): reduce to the node's leader and broadcast back inside the node, a ring over the N leaders
-  between: 2(N − 1)/N · S per node over the link, in 2(N − 1) inter-node steps (plus the node's own).
-
-S is one stage's gradients (fp32, the parameters split evenly over K stages). Run: python -m benchmarks.dp_cost_model
-"""
+"""Cost model of the data-parallel reduction, flat vs hierarchical: bytes over inter-node links, steps per bucket."""
 
 from __future__ import annotations
 
@@ -22,6 +10,17 @@ import torch
 
 from lightning_gpipe.models.amoebanet import amoebanet_d
 from lightning_gpipe.models.transformer import transformer_nmt_num_parameters
+
+# A model, not a measurement (one machine cannot show inter-node links). Ring all-reduce over P ranks (gloo's and
+# NCCL's ring): every rank sends 2(P − 1)/P of the buffer, in 2(P − 1) latency-bound steps. With N nodes of r
+# replicas of a stage, ranks numbered node by node:
+#
+# - flat, P = N·r: the ring leaves each node once, so each node sends 2(Nr − 1)/(Nr) · S over its link, in
+#   2(Nr − 1) steps;
+# - hierarchical (Jizhi): reduce to the node's leader and broadcast back inside the node, a ring over the N leaders
+#   between: 2(N − 1)/N · S per node over the link, in 2(N − 1) inter-node steps (plus the node's own).
+#
+# S is one stage's gradients (fp32, the parameters split evenly over K stages). Run: python -m benchmarks.dp_cost_model
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -76,7 +75,7 @@ def markdown(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--K", type=int, default=4)
     parser.add_argument(
         "--replicas-per-node", type=int, default=2, help="replicas of a stage on one node (8 GPUs, K=4)"
