@@ -29,7 +29,8 @@ class PipelineMesh:
     ``pp_group`` holds the K stages of this rank's pipeline, ``dp_group`` the replicas of this rank's stage, and
     ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU.
     ``timeout_s``: how long a rank waits for another, the process groups' timeout. ``dp_hierarchy``: this rank's
-    part of the hierarchical data-parallel reduction, or None for the flat one.
+    part of the hierarchical data-parallel reduction, or None for the flat one. ``input_group``: the pipeline's
+    stages over gloo for the batches stage 0 loads for them (``data_loading="first_stage"``), else None.
     """
 
     K: int
@@ -40,6 +41,7 @@ class PipelineMesh:
     header_group: dist.ProcessGroup
     timeout_s: float
     dp_hierarchy: Hierarchy | None = None
+    input_group: dist.ProcessGroup | None = None
 
     @classmethod
     def join(
@@ -51,6 +53,7 @@ class PipelineMesh:
         K: int,
         per_node: int = 1,
         dp_reduction: DpReduction = "flat",
+        input_group: bool = False,
     ) -> PipelineMesh:
         """Join the world's process group (as Lightning's strategies do), then lay the mesh out over it."""
         init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
@@ -60,7 +63,9 @@ class PipelineMesh:
         shape, names = (world_size // K, K), ("data_parallel", "pipeline_parallel")
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         pp_group, dp_group = mesh["pipeline_parallel"].get_group(), mesh["data_parallel"].get_group()
-        header_group = _cpu_group(pp_group, world_size, K, rank)
+        header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _gloo_groups(world_size, K, rank)
+        # Its own group: the feed's thread broadcasts while the main thread talks on the others.
+        inputs = _gloo_groups(world_size, K, rank) if input_group and K > 1 else None
         hierarchy = None
         if hierarchical(dp_reduction, world_size, K, per_node):
             dp_groups = [list(range(k, world_size, K)) for k in range(K)]
@@ -71,7 +76,7 @@ class PipelineMesh:
                     "among one rank per node, then back (dp_reduction='hierarchical')"
                 )
         timeout_s = (timeout or default_pg_timeout).total_seconds()
-        return cls(K, rank, mesh, pp_group, dp_group, header_group, timeout_s, hierarchy)
+        return cls(K, rank, mesh, pp_group, dp_group, header_group, timeout_s, hierarchy, inputs)
 
 
 def hierarchical(dp_reduction: DpReduction, world_size: int, K: int, per_node: int) -> bool:
@@ -82,9 +87,8 @@ def hierarchical(dp_reduction: DpReduction, world_size: int, K: int, per_node: i
     return world_size > per_node and per_node > K
 
 
-def _cpu_group(pp_group: dist.ProcessGroup, world_size: int, K: int, rank: int) -> dist.ProcessGroup:
-    if dist.get_backend(pp_group) == "gloo":
-        return pp_group
+def _gloo_groups(world_size: int, K: int, rank: int) -> dist.ProcessGroup:
+    """A new gloo group per pipeline; this rank's."""
     mine = None
     for start in range(0, world_size, K):  # new_group is collective over the world: all create all
         group = dist.new_group(list(range(start, start + K)), backend="gloo")

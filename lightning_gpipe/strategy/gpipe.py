@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
+from lightning_gpipe.pipe.batch_feed import BatchFeed
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy import _checkpoint_files as checkpointing
 from lightning_gpipe.strategy import _lightning_internals as internals
@@ -38,6 +39,7 @@ from lightning_gpipe.strategy._arguments import (
 from lightning_gpipe.strategy._balance import StrategyBalance
 from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
 from lightning_gpipe.strategy._clean_exit import keep_at_exit
+from lightning_gpipe.strategy._data_loading import DataLoading, FedLoader, check_data_loading
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
 from lightning_gpipe.strategy._mesh import (
     DP_REDUCTIONS,
@@ -100,6 +102,9 @@ class GPipeStrategy(ParallelStrategy):
         dp_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket), ``"hierarchical"``
             (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back; the same means to
             fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and span several.
+        data_loading: ``"every_stage"`` iterates each stage's own loader; ``"first_stage"`` iterates it on stage 0
+            only, in a thread up to two batches ahead, and broadcasts each batch to the other stages of its
+            pipeline (one input pipeline per pipeline: 1/K of the loading work, no per-stage augmentation to match).
     """
 
     strategy_name = "gpipe"
@@ -125,13 +130,16 @@ class GPipeStrategy(ParallelStrategy):
         micro_batch_loss: bool | Literal["auto"] = "auto",
         schedule: ScheduleName = "gpipe",
         dp_reduction: DpReduction = "auto",
+        data_loading: DataLoading = "every_stage",
     ) -> None:
         super().__init__()
         check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim, check_batches, balance)
         check_loss_path(micro_batch_loss, schedule)
         if dp_reduction not in DP_REDUCTIONS:
             raise ValueError(f"GPipeStrategy(dp_reduction={dp_reduction!r}): choose one of {list(DP_REDUCTIONS)}")
-        self.dp_reduction = dp_reduction
+        check_data_loading(data_loading)
+        self.dp_reduction, self.data_loading = dp_reduction, data_loading
+        self._feed: BatchFeed | None = None
         self.micro_batch_loss, self.schedule = micro_batch_loss, schedule
         self._micro: MicroBatchLoss | None = None
         self.trace_steps = check_trace_args(trace_dir, trace_steps)
@@ -230,7 +238,14 @@ class GPipeStrategy(ParallelStrategy):
         backend = self._process_group_backend = self._process_group_backend or default_backend(device)
         assert self.cluster_environment is not None
         self._pipeline_mesh = PipelineMesh.join(
-            self.cluster_environment, backend, self._timeout, device, K, max(1, self.num_processes), self.dp_reduction
+            self.cluster_environment,
+            backend,
+            self._timeout,
+            device,
+            K,
+            max(1, self.num_processes),
+            self.dp_reduction,
+            input_group=self.data_loading == "first_stage",
         )
         assert self.lightning_module is not None
         internals.set_device_mesh(self.lightning_module, self._pipeline_mesh.device_mesh)
@@ -264,6 +279,8 @@ class GPipeStrategy(ParallelStrategy):
         self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_size_mb * 2**20))
         args = (self.stage, self.schedule, self.batch_dim, mesh.header_group, self.precision_plugin)
         self._micro = MicroBatchLoss.choose(module, self.micro_batch_loss, *args)
+        if mesh.input_group is not None and self._feed is None:
+            self._feed = BatchFeed(mesh.input_group, self.stage.is_first, mesh.timeout_s)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_check.start_fit()
@@ -285,6 +302,17 @@ class GPipeStrategy(ParallelStrategy):
         # configure_optimizers must not see the optimizers of an earlier fit (their parameters may be gone).
         self.optimizers, self.lr_scheduler_configs = [], []
         super().setup_optimizers(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return dataloader if self._feed is None else FedLoader(dataloader, self._feed)
+
+    @override
+    def teardown(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
+        super().teardown()
 
     @override
     def model_to_device(self) -> None:

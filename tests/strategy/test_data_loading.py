@@ -1,0 +1,148 @@
+"""GPipeStrategy(data_loading="first_stage"): stage 0 loads, the other stages train on its batches — the same run."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers.launch import quiet_trainer, run_distributed
+from tests.helpers.tiny_fit import BATCH, STEPS, TOL, dataset, lightning_module, reference
+
+
+class Counting(TensorDataset):
+    """Counts the samples this process loaded; ``noise`` adds per-rank noise, as rank-seeded augmentation would."""
+
+    def __init__(self, rank: int, noise: bool = False) -> None:
+        super().__init__(*dataset().tensors)
+        self.rank, self.noise, self.loaded = rank, noise, 0
+
+    def __getitem__(self, i):
+        self.loaded += 1
+        x, y = super().__getitem__(i)
+        if self.noise:
+            x = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(self.rank))
+        return x, y
+
+
+def fit_worker(rank: int, world_size: int, pp: int, hooked: bool) -> dict:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = lightning_module(hooked=hooked)
+    data = Counting(rank)
+    strategy = GPipeStrategy(chunks=3, pipeline_parallel_size=pp, data_loading="first_stage")
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS)
+    trainer.fit(module, DataLoader(data, batch_size=BATCH))
+    expected = reference(world_size // pp, None)
+    errors = [(p.detach() - expected[n]).abs().max() / expected[n].abs().max() for n, p in module.named_parameters()]
+    return {"max": float(max(errors)), "checked": len(errors), "loaded": data.loaded, "threads": _feed_threads()}
+
+
+def _feed_threads() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("gpipe-"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world_size", "pp", "hooked"), [(2, 2, False), (4, 2, True)])
+def test_stage_zero_loads_and_the_run_is_the_plain_one(world_size: int, pp: int, hooked: bool) -> None:
+    """pp = 2 (loss outside) and pp = 2 × dp = 2 (loss inside, each replica's own shard): weights equal the plain run;
+    only stage 0 of each pipeline loaded samples (the other stages' datasets were never indexed)."""
+    results = run_distributed(fit_worker, world_size, pp, hooked, timeout=280, lightning=True)
+    dp = world_size // pp
+    for rank, r in enumerate(results):
+        assert r["max"] <= TOL, (rank, r)
+        assert r["checked"] > 4, (rank, r)
+        # Stage 0 loads STEPS batches of its shard (plus at most the feed's depth ahead); the others nothing.
+        loaded = r["loaded"]
+        assert (STEPS * BATCH <= loaded <= (STEPS + 3) * BATCH) if rank % pp == 0 else loaded == 0, (rank, loaded, dp)
+        assert r["threads"] == [], (rank, r["threads"])  # the feed's threads ended with the fit
+
+
+def habits_worker(rank: int, world_size: int) -> dict:
+    """Per-rank augmentation, validation inside each epoch, epochs cut short by limit_train_batches."""
+    import lightning.pytorch as pl
+
+    from lightning_gpipe.strategy import GPipeStrategy
+    from tests.helpers.tiny_fit import TinyPipelined
+
+    warnings.simplefilter("ignore")
+
+    class Recording(TinyPipelined):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(float(batch[0].double().sum()))
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            self.seen.append(-float(batch[0].double().sum()))
+            self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+        def forward(self, x):
+            return self.head(self.backbone(self.prefix(x)))
+
+    module = Recording()
+    strategy = GPipeStrategy(chunks=2, data_loading="first_stage", check_batches="always")
+    trainer = quiet_trainer(
+        devices=world_size,
+        strategy=strategy,
+        max_epochs=3,
+        limit_train_batches=3,
+        limit_val_batches=2,
+        val_check_interval=2,
+    )
+    assert isinstance(trainer, pl.Trainer)
+    loader = DataLoader(Counting(rank, noise=True), batch_size=BATCH, num_workers=1)
+    trainer.fit(module, loader, DataLoader(Counting(rank), batch_size=BATCH))
+    return {"seen": module.seen, "threads": _feed_threads(), "val_loss": float(trainer.callback_metrics["val_loss"])}
+
+
+@pytest.mark.timeout(300)
+def test_lightning_habits_see_stage_zeros_batches() -> None:
+    """Rank-seeded augmentation in a worker would fail the batch check with every stage loading; here every stage
+    trains and validates on stage 0's batches, in the same order, across epochs that stop early."""
+    stage0, stage1 = run_distributed(habits_worker, 2, timeout=280, lightning=True)
+    assert len(stage0["seen"]) == 3 * 3 + 3 * 2 + 2  # 3 epochs × 3 steps, a validation per epoch, the sanity check
+    assert stage0["seen"] == stage1["seen"]
+    assert stage0["val_loss"] == stage1["val_loss"]
+    assert stage0["threads"] == stage1["threads"] == []
+
+
+def failing_worker(rank: int, world_size: int) -> str:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+
+    class Corrupt(TensorDataset):
+        def __getitem__(self, i):
+            if i == 20:
+                raise OSError("image 20 is corrupt")
+            return super().__getitem__(i)
+
+    trainer = quiet_trainer(devices=world_size, strategy=GPipeStrategy(chunks=2, data_loading="first_stage"))
+    try:
+        trainer.fit(lightning_module(), DataLoader(Corrupt(*dataset().tensors), batch_size=BATCH))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+def test_a_loader_error_on_stage_zero_stops_every_stage() -> None:
+    stage0, stage1 = run_distributed(failing_worker, 2, timeout=180, lightning=True)
+    assert stage0 == "OSError: image 20 is corrupt", stage0
+    assert "stage 0's data loader raised OSError: image 20 is corrupt" in stage1, stage1
+
+
+def test_unknown_data_loading_is_refused() -> None:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    with pytest.raises(ValueError, match=r"data_loading='every_rank'.*'first_stage'"):
+        GPipeStrategy(data_loading="every_rank")  # type: ignore[arg-type]
