@@ -18,7 +18,18 @@ MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem !=
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "name", ["throughput", "overhead", "peers", "memory", "consistency", "partition", "dp_overlap", "input_pipeline"]
+    "name",
+    [
+        "throughput",
+        "overhead",
+        "peers",
+        "memory",
+        "consistency",
+        "partition",
+        "dp_overlap",
+        "input_pipeline",
+        "dp_hierarchy",
+    ],
 )
 def test_benchmark_smoke_run_writes_json_markdown_and_plot(name: str, tmp_path: Path) -> None:
     # As the README says to run it: from the repo root, nothing else on the path.
