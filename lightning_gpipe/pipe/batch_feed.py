@@ -115,6 +115,7 @@ class BatchFeed:
         self._lock = threading.Lock()
         self._opened = -1  # the last stream id this rank opened
         self._queues: dict[int, queue.Queue[Any]] = {}
+        self._pinned: set[int] = set()  # streams whose loader pins its batches: so are the received ones
         self._loaders: dict[int, _Loader] = {}
         self._dropped: list[_Loader] = []  # stopped, maybe still finishing a batch
         self._outbox: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -129,6 +130,8 @@ class BatchFeed:
             self._opened += 1
             sid = self._opened
             q = self._queues.setdefault(sid, queue.Queue())
+            if getattr(loader, "pin_memory", False) and torch.cuda.is_available():
+                self._pinned.add(sid)
         if self.is_source:
             self._loaders[sid] = _Loader(sid, loader, self._outbox, q, self.depth)
         return self._take(sid, q)
@@ -197,7 +200,8 @@ class BatchFeed:
                     sizes = dict.fromkeys(dtypes, 0)
                     for shape, dtype in metas:
                         sizes[dtype] += _numel(shape)
-                    flats = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+                    pin = sid in self._pinned
+                    flats = {dtype: torch.empty(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
                     for flat in flats.values():
                         dist.broadcast(flat, group=self.group, group_src=0)
                     item = unpack(Packed(structure, metas, flats))

@@ -10,9 +10,14 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing_extensions import override
 
 from lightning_gpipe.pipe.hierarchy import Hierarchy, build_hierarchies
+from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._audit import logger
 from lightning_gpipe.strategy._clean_exit import destroy_at_exit
 from lightning_gpipe.strategy._lightning_internals import init_dist_connection
@@ -131,3 +136,33 @@ def world_broadcast(obj: T, src: int) -> T:
     box: list[Any] = [obj]
     dist.broadcast_object_list(box, src)
     return box[0]
+
+
+class MeshCollectives(ParallelStrategy):
+    """Lightning's collectives for a pipeline: ``sync_dist`` over the replicas, votes, barriers and broadcasts
+    over the world."""
+
+    @property
+    def _mesh(self) -> PipelineMesh:
+        raise NotImplementedError
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        # Values are identical on the stages of a pipeline; sync_dist reduces over the data-parallel replicas.
+        if isinstance(tensor, Tensor):
+            group = group if group is not None else self._mesh.dp_group
+            return internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Not ParallelStrategy's vote over the replicas only: ModelCheckpoint and EarlyStopping need every rank's.
+        return world_vote(decision, all, self.root_device, self.world_size)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        world_barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return world_broadcast(obj, src)

@@ -6,16 +6,13 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import BasePredictionWriter
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
@@ -26,7 +23,6 @@ from typing_extensions import override
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.batch_feed import BatchFeed
 from lightning_gpipe.pipe.schedule import Checkpoint
-from lightning_gpipe.strategy import _checkpoint_files as checkpointing
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
     check_loss_path,
@@ -38,17 +34,16 @@ from lightning_gpipe.strategy._arguments import (
 )
 from lightning_gpipe.strategy._balance import StrategyBalance
 from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
+from lightning_gpipe.strategy._checkpoint_hooks import CheckpointHooks
 from lightning_gpipe.strategy._clean_exit import keep_at_exit
 from lightning_gpipe.strategy._data_loading import DataLoading, FedLoader, check_data_loading
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
 from lightning_gpipe.strategy._mesh import (
     DP_REDUCTIONS,
     DpReduction,
+    MeshCollectives,
     PipelineMesh,
     default_backend,
-    world_barrier,
-    world_broadcast,
-    world_vote,
 )
 from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
 from lightning_gpipe.strategy._partition_report import show as show_partition
@@ -60,7 +55,7 @@ from lightning_gpipe.strategy._trace import Closure, StepTracer, check_trace_arg
 _Model = pl.LightningModule | nn.Module | None
 
 
-class GPipeStrategy(ParallelStrategy):
+class GPipeStrategy(CheckpointHooks, MeshCollectives):
     """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
 
     The backbone is split into K stages, one process each; the other processes are data-parallel replicas of the
@@ -385,66 +380,6 @@ class GPipeStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Closure, model: _Model = None, **kwargs: Any) -> Any:
         step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
         return self._tracer.optimizer_step(self.stage, self._mesh, step, closure)
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        # Values are identical on the stages of a pipeline; sync_dist reduces over the data-parallel replicas.
-        if isinstance(tensor, Tensor):
-            group = group if group is not None else self._mesh.dp_group
-            return internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # Not ParallelStrategy's vote over the replicas only: ModelCheckpoint and EarlyStopping need every rank's.
-        return world_vote(decision, all, self.root_device, self.world_size)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        world_barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return world_broadcast(obj, src)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the stage must exist: each rank restores only its own layers
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores the optimizers itself
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {}  # save_checkpoint collects every rank's states itself
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise TypeError("GPipeStrategy.save_checkpoint does not take storage_options (it has no CheckpointIO)")
-        path = Path(self.broadcast(str(filepath)))
-        assert self.model is not None
-        sharded, order = self.save_distributed_checkpoint, self._rank_pipeline.plain_parameter_names
-        checkpointing.save(checkpoint, path, self.model, self.optimizers, self.global_rank, sharded, order)
-        self.barrier()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.model is not None and self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
-        return checkpointing.load(path, self.model, self.optimizers, strict, self._rank_pipeline.plain_parameter_names)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # done in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # done in load_checkpoint
 
     @override
     def on_predict_start(self) -> None:

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -213,3 +214,69 @@ def test_batch_shape_gives_an_example_input_that_holds_no_memory() -> None:
     example = ImageClassifier(**TINY, batch_shape=[64, 3, 32, 32]).example_input_array
     assert isinstance(example, Tensor) and example.shape == (64, 3, 32, 32) and not example.any()
     assert example.untyped_storage().nbytes() == example.element_size()  # one zero, expanded
+
+
+def fit_loss_scaled(rank: int, world_size: int) -> dict[str, Any]:
+    """K = 2, M = 3, LARS with warm-up and no decay on norms and biases, under 16-mixed's loss scaling."""
+    import lightning.pytorch as pl
+
+    from lightning_gpipe import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    torch.set_default_dtype(torch.float64)  # see test_16_mixed_lars_recipe_equals_plain_run
+    pl.seed_everything(SEED)
+    module = ImageClassifier(**TINY, **TINY_SCHEDULE, optimizer="lars")
+    trainer = quiet_trainer(
+        devices=2,
+        strategy=GPipeStrategy(chunks=CHUNKS),
+        max_steps=STEPS,
+        use_distributed_sampler=False,
+        plugins=[_fp16_plugin()],
+    )
+    trainer.fit(module, loader())
+    scaler = trainer.precision_plugin.scaler  # type: ignore[attr-defined]
+    return {"state": numpy_state(module), "scaler": type(scaler).__name__, "scale": float(scaler.get_scale())}
+
+
+def _fp16_plugin() -> Any:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu")  # Trainer(precision="16-mixed") is refused on a CPU
+
+
+@pytest.mark.timeout(300)
+def test_16_mixed_lars_recipe_equals_plain_run() -> None:
+    """Issue 16's large-batch recipe — 16-mixed + timm's LARS + warm-up + no decay on BN/bias — pipelined and on one
+    device. Parameters in float64 (autocast leaves float64 alone) isolate what the pipeline adds to mixed
+    precision: the loss scaling (one GradScaler decision for all stages: ShardedGradScaler), unscaling before
+    LARS's trust ratio, and the trust ratio over each whole parameter. fp16's own rounding is autocast's, the same
+    with or without a pipeline; in float32 it sits on this model's BatchNorm noise floor (module docstring)."""
+    per_rank = run_distributed(fit_loss_scaled, 2, timeout=280, lightning=True)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(SEED)
+        plain = PlainMicroBatched(**TINY, **TINY_SCHEDULE, optimizer="lars")
+        start = StartState()
+        trainer = quiet_trainer(devices=1, max_steps=STEPS, plugins=[_fp16_plugin()], callbacks=[start])
+        trainer.fit(plain, loader())
+    finally:
+        torch.set_default_dtype(previous)
+    expected = plain.state_dict()
+    plain_scale = float(trainer.precision_plugin.scaler.get_scale())  # type: ignore[attr-defined]
+    assert sorted({k for r in per_rank for k in r["state"]}) == sorted(expected)
+    for rank in per_rank:
+        assert rank["scaler"] == "ShardedGradScaler" and rank["scale"] == plain_scale, rank["scale"]
+        for key, value in rank["state"].items():
+            value = torch.from_numpy(value)
+            assert value.dtype == expected[key].dtype, key
+            if value.is_floating_point():
+                assert rel_err(value, expected[key]) <= 1e-9, (key, rel_err(value, expected[key]))
+            else:
+                assert torch.equal(value, expected[key]), key
+    assert all(not torch.equal(expected[k], start.state[k]) for k in expected if k.endswith("weight")), "it trained"
+
+
+class StartState(pl.Callback):
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
