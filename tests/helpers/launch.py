@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers.devices import ACCELERATOR, require_devices
+
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
@@ -64,6 +66,8 @@ def run_distributed(
     Raises if any rank raised (unless ``expect_errors``, in which case a rank's entry is its traceback string) or if
     not every rank reported within ``timeout`` seconds (then all processes are killed).
     """
+    if lightning:
+        require_devices(world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The parent hosts the rendezvous store, so no rank can take it down while the others still connect.
@@ -108,11 +112,12 @@ def run_distributed(
 
 
 def quiet_trainer(**kwargs: Any) -> Any:
-    """A CPU ``lightning.pytorch.Trainer`` without the files and printing tests do not look at; ``kwargs`` win."""
+    """A ``lightning.pytorch.Trainer`` on the tests' accelerator (``tests/helpers/devices.py``), without the files
+    and printing tests do not look at; ``kwargs`` win."""
     import lightning.pytorch as pl
 
     quiet = {
-        "accelerator": "cpu",
+        "accelerator": ACCELERATOR,
         "enable_checkpointing": False,
         "logger": False,
         "enable_progress_bar": False,

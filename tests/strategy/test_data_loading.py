@@ -37,7 +37,8 @@ def fit_worker(rank: int, world_size: int, pp: int, hooked: bool) -> dict:
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS)
     trainer.fit(module, DataLoader(data, batch_size=BATCH))
     expected = reference(world_size // pp, None)
-    errors = [(p.detach() - expected[n]).abs().max() / expected[n].abs().max() for n, p in module.named_parameters()]
+    params = {n: p.detach().cpu() for n, p in module.named_parameters()}
+    errors = [(p - expected[n]).abs().max() / expected[n].abs().max() for n, p in params.items()]
     return {"max": float(max(errors)), "checked": len(errors), "loaded": data.loaded, "threads": _feed_threads()}
 
 

@@ -39,7 +39,7 @@ def fit_worker(
     errors = {}
     for name, p in module.named_parameters():  # this stage's layers, under their global names, and the replicas
         ref = expected[name]
-        errors[name] = ((p.detach() - ref).abs().max() / ref.abs().max()).item()
+        errors[name] = ((p.detach().cpu() - ref).abs().max() / ref.abs().max()).item()
     loss = float(trainer.callback_metrics["train_loss"])
     return {"max": max(errors.values()), "errors": errors, "checked": len(errors), "loss": loss}
 

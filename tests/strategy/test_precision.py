@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tests.helpers.devices import ACCELERATOR
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.tiny_fit import BATCH, dataset, lightning_module
 
@@ -57,7 +58,7 @@ def fp16_worker(rank: int, world_size: int, hooked: bool) -> dict[str, object]:
     trainer = quiet_trainer(
         devices=world_size,
         strategy=GPipeStrategy(chunks=2, pipeline_parallel_size=2),
-        plugins=[MixedPrecision("16-mixed", "cpu")],
+        plugins=[MixedPrecision("16-mixed", ACCELERATOR)],
         max_steps=4,
         callbacks=[Watch()],
     )
@@ -122,7 +123,7 @@ def bf16_true_worker(rank: int, world_size: int) -> dict[str, object]:
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     expected = reference(1, None)  # fp32, same data and steps
     errors = {
-        n: ((p.float() - expected[n]).abs().max() / expected[n].abs().max()).item()
+        n: ((p.float().cpu() - expected[n]).abs().max() / expected[n].abs().max()).item()
         for n, p in module.named_parameters()
     }
     return {

@@ -1,0 +1,41 @@
+"""The GPU test matrix in one command: ``python -m tests.gpu_matrix`` (from the repo root, on a machine with GPUs).
+
+1. One GPU: ``tests/strategy/test_cuda.py`` — the engine (streams, events, recompute, memory), GPipeStrategy under
+   every precision, the trace, the examples.
+2. One GPU per process, NCCL between the stages: the Lightning multi-process tests below, with
+   ``GPIPE_TEST_ACCELERATOR=cuda``. K = 2 needs two GPUs, pp 2 × dp 2 four; a test that needs more than there are
+   is skipped with the count in its reason, and every skip is listed (``-rs``).
+
+The engine's own multi-process tests (``tests/engine``) exercise gloo on the CPU by design and are not part of it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+ONE_GPU = ["tests/strategy/test_cuda.py"]
+PER_PROCESS = [
+    "tests/strategy/test_fit_parity.py",
+    "tests/strategy/test_micro_batch_loss.py",
+    "tests/strategy/test_data_loading.py",
+    "tests/strategy/test_precision.py",
+    "tests/strategy/test_checkpoint.py",
+]
+
+
+def main(argv: list[str]) -> int:
+    print(f"torch {torch.__version__}, CUDA devices: {torch.cuda.device_count()}", flush=True)
+    pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *argv]
+    codes = [subprocess.call([*pytest, *ONE_GPU])]
+    env = {**os.environ, "GPIPE_TEST_ACCELERATOR": "cuda"}
+    codes.append(subprocess.call([*pytest, *PER_PROCESS], env=env))
+    # pytest's 5: nothing ran (every test skipped for want of GPUs), which the listed reasons explain.
+    return max((c for c in codes if c != 5), default=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
