@@ -9,7 +9,8 @@ The loader thread runs up to ``depth`` batches ahead of the training step, so ba
 every stage while step i runs (Jizhi's pipelined input). Every ``iter()`` of a wrapped loader opens a stream; the
 streams are numbered in the order they open, the same on every stage (Lightning's loops run alike on each), and one
 sender thread keeps the broadcasts of all streams (training, and validation inside it) in one order for the receivers.
-A stream left unfinished (``limit_train_batches``, a new epoch) is dropped when the next one opens.
+A stream left unfinished (``limit_train_batches``) is dropped once its iterator is let go, or at the latest when the
+same loader opens its next one.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class BatchFeed:
         self._opened = -1  # the last stream id this rank opened
         self._queues: dict[int, queue.Queue[Any]] = {}
         self._pinned: set[int] = set()  # streams whose loader pins its batches: so are the received ones
+        self._sources: dict[int, Iterable[Any]] = {}  # the open streams' loaders
         self._loaders: dict[int, _Loader] = {}
         self._dropped: list[_Loader] = []  # stopped, maybe still finishing a batch
         self._outbox: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -124,11 +126,15 @@ class BatchFeed:
         self._thread.start()
 
     def stream(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """A new stream of ``loader``'s batches (on stage 0 it iterates ``loader``; elsewhere it receives them)."""
+        """A new stream of ``loader``'s batches (on stage 0 it iterates ``loader``; elsewhere it receives them). An
+        unfinished stream of the same loader (an epoch cut short) is dropped; others (training around validation)
+        stay open."""
         with self._lock:
-            self._drop_below(self._opened + 1)
+            for old in [s for s, of in self._sources.items() if of is loader]:
+                self._drop(old)
             self._opened += 1
             sid = self._opened
+            self._sources[sid] = loader
             q = self._queues.setdefault(sid, queue.Queue())
             if getattr(loader, "pin_memory", False) and torch.cuda.is_available():
                 self._pinned.add(sid)
@@ -139,23 +145,33 @@ class BatchFeed:
     def close(self) -> None:
         """Stop every stream; the receivers' thread ends with the source's last message."""
         with self._lock:
-            self._drop_below(self._opened + 1)
+            for sid in list(self._sources):
+                self._drop(sid)
         for loader in self._dropped:
             loader.thread.join(timeout=_JOIN_S)
         if self.is_source:
             self._outbox.put((_SHUTDOWN, None))
         self._thread.join(timeout=self.timeout_s)
 
-    def _drop_below(self, sid: int) -> None:
-        for old in [s for s in self._queues if s < sid]:
-            del self._queues[old]
-            loader = self._loaders.pop(old, None)
-            if loader is not None:
-                loader.stopped.set()
-                self._dropped = [d for d in self._dropped if d.thread.is_alive()] + [loader]
+    def _drop(self, sid: int) -> None:
+        """Forget a stream: stage 0 stops loading it (and ends it for the others); elsewhere, its batches still
+        arriving are let go. Either side may drop a stream at any time without the other."""
+        self._sources.pop(sid, None)
+        self._queues.pop(sid, None)
+        loader = self._loaders.pop(sid, None)
+        if loader is not None:
+            loader.stopped.set()
+            self._dropped = [d for d in self._dropped if d.thread.is_alive()] + [loader]
 
     def _take(self, sid: int, q: queue.Queue[Any]) -> Iterator[Any]:
         loader = self._loaders.get(sid)
+        try:
+            yield from self._items(sid, q, loader)
+        finally:  # exhausted, or abandoned: CPython closes a generator once nothing refers to it
+            with self._lock:
+                self._drop(sid)
+
+    def _items(self, sid: int, q: queue.Queue[Any], loader: _Loader | None) -> Iterator[Any]:
         while True:
             try:
                 item = q.get(timeout=self.timeout_s)

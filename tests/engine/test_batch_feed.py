@@ -51,35 +51,47 @@ def test_pack_unpack_round_trip_copies_every_tensor() -> None:
         assert not _same(unpack(packed), batch)
 
 
-def _feed_worker(rank: int, world_size: int) -> list:
+class _Loader:
+    """A loader of ``n`` batches; only stage 0 may iterate it (elsewhere the feed must not touch it)."""
+
+    def __init__(self, rank: int, n: int, stream: int) -> None:
+        self.rank, self.n, self.stream = rank, n, stream
+
+    def __iter__(self):
+        if self.rank != 0:
+            raise AssertionError("a stage other than 0 iterated its loader")
+        return iter(_batches(self.n, self.stream))
+
+
+def _feed_worker(rank: int, world_size: int) -> tuple:
     from lightning_gpipe.pipe.batch_feed import BatchFeed
 
     group = dist.new_group(list(range(world_size)), backend="gloo")
     feed = BatchFeed(group, is_source=rank == 0, timeout_s=30.0)
+    train, val, other = _Loader(rank, 6, 0), _Loader(rank, 2, 1), _Loader(rank, 5, 2)
     seen: list = []
-
-    def loader(n: int, stream: int):  # only stage 0 may iterate it
-        if rank != 0:
-            raise AssertionError("a stage other than 0 iterated its loader")
-        yield from _batches(n, stream)
-
-    it = iter(feed.stream(loader(6, 0)))
-    seen.append([next(it) for _ in range(2)])  # then abandoned, as limit_train_batches leaves an epoch
-    seen.append(list(feed.stream(loader(4, 1))))  # a new epoch
-    outer = iter(feed.stream(loader(3, 2)))
-    inner_batches = [next(outer)]
-    seen.append(list(feed.stream(loader(2, 3))))  # validation opens inside a training epoch
-    seen.append(inner_batches)
+    epoch = iter(feed.stream(train))
+    seen.append([next(epoch) for _ in range(2)])  # an epoch cut short (limit_train_batches) ...
+    seen.append(list(feed.stream(train)))  # ... and the next one, whole
+    outer = iter(feed.stream(train))
+    first = [next(outer) for _ in range(3)]
+    seen.append(list(feed.stream(val)))  # validation inside a training epoch ...
+    seen.append(first + list(outer))  # ... which then goes on to its end
+    held = iter(feed.stream(other))
+    seen.append([next(held)])
+    del held  # abandoned: dropped at once, not at the next stream of its loader
+    seen.append(list(feed.stream(val)))
     feed.close()
-    expected = [_batches(6, 0)[:2], _batches(4, 1), _batches(2, 3), _batches(3, 2)[:1]]
+    expected = [_batches(6, 0)[:2], _batches(6, 0), _batches(2, 1), _batches(6, 0), _batches(5, 2)[:1], _batches(2, 1)]
     return [len(s) for s in seen], _same(seen, expected)  # plain values: tensors would cross in shared memory
 
 
 @pytest.mark.timeout(120)
 def test_every_stage_gets_stage_zeros_batches_in_order() -> None:
-    """Three stages: an abandoned stream, a full one, one opened inside another; only stage 0 iterates."""
+    """Three stages: an epoch cut short then a whole one, validation inside an epoch that then goes on, an abandoned
+    stream; only stage 0 iterates its loaders."""
     results = run_distributed(_feed_worker, 3, timeout=100)
-    assert results == [([2, 4, 2, 1], True)] * 3
+    assert results == [([2, 6, 2, 6, 1, 2], True)] * 3
 
 
 def _failing_worker(rank: int, world_size: int) -> str:

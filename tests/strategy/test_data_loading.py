@@ -65,7 +65,8 @@ def test_stage_zero_loads_and_the_run_is_the_plain_one(world_size: int, pp: int,
 
 
 def habits_worker(rank: int, world_size: int) -> dict:
-    """Per-rank augmentation, validation inside each epoch, epochs cut short by limit_train_batches."""
+    """Per-rank augmentation, validations inside each epoch that then goes on, epochs cut short by
+    limit_train_batches."""
     import lightning.pytorch as pl
 
     from lightning_gpipe.strategy import GPipeStrategy
@@ -94,10 +95,10 @@ def habits_worker(rank: int, world_size: int) -> dict:
     trainer = quiet_trainer(
         devices=world_size,
         strategy=strategy,
-        max_epochs=3,
-        limit_train_batches=3,
+        max_epochs=2,
+        limit_train_batches=7,  # of 8: each epoch stops one short
         limit_val_batches=2,
-        val_check_interval=2,
+        val_check_interval=3,
     )
     assert isinstance(trainer, pl.Trainer)
     loader = DataLoader(Counting(rank, noise=True), batch_size=BATCH, num_workers=1)
@@ -110,7 +111,8 @@ def test_lightning_habits_see_stage_zeros_batches() -> None:
     """Rank-seeded augmentation in a worker would fail the batch check with every stage loading; here every stage
     trains and validates on stage 0's batches, in the same order, across epochs that stop early."""
     stage0, stage1 = run_distributed(habits_worker, 2, timeout=280, lightning=True)
-    assert len(stage0["seen"]) == 3 * 3 + 3 * 2 + 2  # 3 epochs × 3 steps, a validation per epoch, the sanity check
+    # The sanity check, then per epoch 7 steps with a validation after steps 3 and 6 (of 2 batches each).
+    assert len(stage0["seen"]) == 2 + 2 * (7 + 2 * 2)
     assert stage0["seen"] == stage1["seen"]
     assert stage0["val_loss"] == stage1["val_loss"]
     assert stage0["threads"] == stage1["threads"] == []
