@@ -168,15 +168,17 @@ def launch(fn: Callable[[int, int, Any], Any], world: int, job: Any) -> Any:
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(fn, world, free_port(), job, path), nprocs=world, join=True)
+        # A file rendezvous: a port picked free here could be taken by another process before rank 0 binds it.
+        store = f"file://{os.path.join(tmp, 'store')}"
+        mp.spawn(_worker, args=(fn, world, store, job, path), nprocs=world, join=True)
         return json.loads(Path(path).read_text())
 
 
-def _worker(rank: int, fn: Callable[[int, int, Any], Any], world: int, port: int, job: Any, path: str) -> None:
+def _worker(rank: int, fn: Callable[[int, int, Any], Any], world: int, store: str, job: Any, path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=store,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=300),
