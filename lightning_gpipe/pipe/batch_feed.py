@@ -117,7 +117,7 @@ class BatchFeed:
         self._opened = -1  # the last stream id this rank opened
         self._queues: dict[int, queue.Queue[Any]] = {}
         self._pinned: set[int] = set()  # streams whose loader pins its batches: so are the received ones
-        self._sources: dict[int, Iterable[Any]] = {}  # the open streams' loaders
+        self._sources: dict[int, Any] = {}  # the open streams' keys
         self._loaders: dict[int, _Loader] = {}
         self._dropped: list[_Loader] = []  # stopped, maybe still finishing a batch
         self._outbox: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -125,16 +125,17 @@ class BatchFeed:
         self._thread = threading.Thread(target=target, name="gpipe-batch-feed", daemon=True)
         self._thread.start()
 
-    def stream(self, loader: Iterable[Any]) -> Iterator[Any]:
+    def stream(self, loader: Iterable[Any], key: Any = None) -> Iterator[Any]:
         """A new stream of ``loader``'s batches (on stage 0 it iterates ``loader``; elsewhere it receives them). An
-        unfinished stream of the same loader (an epoch cut short) is dropped; others (training around validation)
-        stay open."""
+        unfinished stream of the same ``key`` (default: the loader; an epoch cut short) is dropped; others (training
+        around validation, even of the same loader under another key) stay open."""
+        key = loader if key is None else key
         with self._lock:
-            for old in [s for s, of in self._sources.items() if of is loader]:
+            for old in [s for s, of in self._sources.items() if of is key]:
                 self._drop(old)
             self._opened += 1
             sid = self._opened
-            self._sources[sid] = loader
+            self._sources[sid] = key
             q = self._queues.setdefault(sid, queue.Queue())
             if getattr(loader, "pin_memory", False) and torch.cuda.is_available():
                 self._pinned.add(sid)

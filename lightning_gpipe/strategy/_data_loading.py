@@ -24,7 +24,8 @@ class FedLoader:
         object.__setattr__(self, "feed", feed)
 
     def __iter__(self) -> Iterator[Any]:
-        return self.feed.stream(self.loader)
+        # Keyed by this wrapper: one loader passed for training and validation gets one per loop.
+        return self.feed.stream(self.loader, key=self)
 
     def __len__(self) -> int:
         return len(self.loader)

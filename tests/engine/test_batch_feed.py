@@ -81,17 +81,22 @@ def _feed_worker(rank: int, world_size: int) -> tuple:
     seen.append([next(held)])
     del held  # abandoned: dropped at once, not at the next stream of its loader
     seen.append(list(feed.stream(val)))
+    shared = iter(feed.stream(train, key="fit"))  # one loader for training and validation (fit(model, dl, dl))
+    first = [next(shared)]
+    seen.append(list(feed.stream(train, key="validate")))
+    seen.append(first + list(shared))
     feed.close()
     expected = [_batches(6, 0)[:2], _batches(6, 0), _batches(2, 1), _batches(6, 0), _batches(5, 2)[:1], _batches(2, 1)]
+    expected += [_batches(6, 0), _batches(6, 0)]
     return [len(s) for s in seen], _same(seen, expected)  # plain values: tensors would cross in shared memory
 
 
 @pytest.mark.timeout(120)
 def test_every_stage_gets_stage_zeros_batches_in_order() -> None:
     """Three stages: an epoch cut short then a whole one, validation inside an epoch that then goes on, an abandoned
-    stream; only stage 0 iterates its loaders."""
+    stream, one loader under two keys; only stage 0 iterates its loaders."""
     results = run_distributed(_feed_worker, 3, timeout=100)
-    assert results == [([2, 6, 2, 6, 1, 2], True)] * 3
+    assert results == [([2, 6, 2, 6, 1, 2, 6, 6], True)] * 3
 
 
 def _failing_worker(rank: int, world_size: int) -> str:

@@ -64,7 +64,7 @@ def test_stage_zero_loads_and_the_run_is_the_plain_one(world_size: int, pp: int,
         assert r["threads"] == [], (rank, r["threads"])  # the feed's threads ended with the fit
 
 
-def habits_worker(rank: int, world_size: int) -> dict:
+def habits_worker(rank: int, world_size: int, same_loader: bool) -> dict:
     """Per-rank augmentation, validations inside each epoch that then goes on, epochs cut short by
     limit_train_batches."""
     import lightning.pytorch as pl
@@ -102,15 +102,16 @@ def habits_worker(rank: int, world_size: int) -> dict:
     )
     assert isinstance(trainer, pl.Trainer)
     loader = DataLoader(Counting(rank, noise=True), batch_size=BATCH, num_workers=1)
-    trainer.fit(module, loader, DataLoader(Counting(rank), batch_size=BATCH))
+    trainer.fit(module, loader, loader if same_loader else DataLoader(Counting(rank), batch_size=BATCH))
     return {"seen": module.seen, "threads": _feed_threads(), "val_loss": float(trainer.callback_metrics["val_loss"])}
 
 
 @pytest.mark.timeout(300)
-def test_lightning_habits_see_stage_zeros_batches() -> None:
+@pytest.mark.parametrize("same_loader", [False, True], ids=["own val loader", "fit(model, dl, dl)"])
+def test_lightning_habits_see_stage_zeros_batches(same_loader: bool) -> None:
     """Rank-seeded augmentation in a worker would fail the batch check with every stage loading; here every stage
     trains and validates on stage 0's batches, in the same order, across epochs that stop early."""
-    stage0, stage1 = run_distributed(habits_worker, 2, timeout=280, lightning=True)
+    stage0, stage1 = run_distributed(habits_worker, 2, same_loader, timeout=280, lightning=True)
     # The sanity check, then per epoch 7 steps with a validation after steps 3 and 6 (of 2 batches each).
     assert len(stage0["seen"]) == 2 + 2 * (7 + 2 * 2)
     assert stage0["seen"] == stage1["seen"]
