@@ -116,6 +116,8 @@ def quiet_trainer(**kwargs: Any) -> Any:
     and printing tests do not look at; ``kwargs`` win."""
     import lightning.pytorch as pl
 
+    devices = kwargs.get("devices", 1)
+    require_devices(devices if isinstance(devices, int) else 1)
     quiet = {
         "accelerator": ACCELERATOR,
         "enable_checkpointing": False,

@@ -71,7 +71,8 @@ def tied_worker(rank: int, world_size: int, clip: float) -> dict:
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     expected = reference(clip)
     errors = {
-        k: ((v - expected[k]).abs().max() / expected[k].abs().max()).item() for k, v in module.state_dict().items()
+        k: ((v.cpu() - expected[k]).abs().max() / expected[k].abs().max()).item()
+        for k, v in module.state_dict().items()
     }
     return {"errors": errors, "shared": [(n, s) for n, s, _ in trainer.strategy.stage.shared]}
 

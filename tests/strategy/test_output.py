@@ -68,7 +68,8 @@ def worker(rank: int, world_size: int) -> dict:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         expected = reference(1, None)
         errors = {
-            n: ((p - expected[n]).abs().max() / expected[n].abs().max()).item() for n, p in module.named_parameters()
+            n: ((p.detach().cpu() - expected[n]).abs().max() / expected[n].abs().max()).item()
+            for n, p in module.named_parameters()
         }
         runs[output] = {"metrics": metrics, "max_error": max(errors.values()), "zeros": module.zero_outputs}
     return runs

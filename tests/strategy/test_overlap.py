@@ -73,7 +73,8 @@ def overlap_worker(rank: int, world_size: int, hooked: bool) -> dict[str, Any]:
     dist.all_reduce = launch
     expected = reference(2, None)
     error = max(
-        ((p.detach() - expected[n]).abs().max() / expected[n].abs().max()).item() for n, p in module.named_parameters()
+        ((p.detach().cpu() - expected[n]).abs().max() / expected[n].abs().max()).item()
+        for n, p in module.named_parameters()
     )
     replicas = (rank % 2, rank % 2 + 2)
     # The first float all-reduce over this stage's replicas in each step: its first gradient bucket, which with the
