@@ -87,6 +87,10 @@ def habits_worker(rank: int, world_size: int, same_loader: bool) -> dict:
             self.seen.append(-float(batch[0].double().sum()))
             self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
 
+        def predict_step(self, batch, batch_idx):
+            self.seen.append(float(batch[0].double().sum()) + 1000.0)
+            return self(batch[0])
+
         def forward(self, x):
             return self.head(self.backbone(self.prefix(x)))
 
@@ -103,7 +107,12 @@ def habits_worker(rank: int, world_size: int, same_loader: bool) -> dict:
     assert isinstance(trainer, pl.Trainer)
     loader = DataLoader(Counting(rank, noise=True), batch_size=BATCH, num_workers=1)
     trainer.fit(module, loader, loader if same_loader else DataLoader(Counting(rank), batch_size=BATCH))
-    return {"seen": module.seen, "threads": _feed_threads(), "val_loss": float(trainer.callback_metrics["val_loss"])}
+    result = {"seen": list(module.seen), "val_loss": float(trainer.callback_metrics["val_loss"])}
+    # Then the other loops, each with a feed of its own on the same group: validate, and predict (stage 0 returns).
+    validated = trainer.validate(module, DataLoader(Counting(rank, noise=True), batch_size=BATCH), verbose=False)
+    predicted = trainer.predict(module, DataLoader(Counting(rank, noise=True), batch_size=BATCH))
+    rows = None if predicted is None else [row.tolist() for out in predicted for row in out]
+    return result | {"validated": validated, "predicted": rows, "after_fit": module.seen, "threads": _feed_threads()}
 
 
 @pytest.mark.timeout(300)
@@ -116,6 +125,9 @@ def test_lightning_habits_see_stage_zeros_batches(same_loader: bool) -> None:
     assert len(stage0["seen"]) == 2 + 2 * (7 + 2 * 2)
     assert stage0["seen"] == stage1["seen"]
     assert stage0["val_loss"] == stage1["val_loss"]
+    assert stage0["validated"] == stage1["validated"]  # on stage 0's noisy batches: the same loss on both
+    assert stage0["after_fit"] == stage1["after_fit"]  # and the same batches through validate and predict
+    assert len(stage0["predicted"]) == 48 and stage1["predicted"] is None  # returned once, by stage 0
     assert stage0["threads"] == stage1["threads"] == []
 
 
