@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 from lightning_gpipe.pipe.batch_feed import BatchFeed
+from lightning_gpipe.strategy._audit import logger
+from lightning_gpipe.strategy._mesh import PipelineMesh
 
 DataLoading = Literal["every_stage", "first_stage"]
 DATA_LOADINGS: tuple[str, ...] = get_args(DataLoading)
@@ -37,6 +39,18 @@ class FedLoader:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.loader, name, value)  # Lightning sets worker_init_fn on the loader it was given
+
+
+def open_feed(mesh: PipelineMesh, is_first: bool, log: bool) -> BatchFeed | None:
+    """This rank's part of its pipeline's feed, where ``data_loading="first_stage"`` gave the mesh an input group."""
+    if mesh.input_group is None:
+        return None
+    if log and mesh.rank == 0:
+        logger.info(
+            f"GPipeStrategy: each pipeline's batches are loaded once, on its stage 0 (up to two ahead), and sent to "
+            f"its {mesh.K - 1} other stage(s) (data_loading='first_stage')"
+        )
+    return BatchFeed(mesh.input_group, is_first, mesh.timeout_s)
 
 
 def check_data_loading(data_loading: Any) -> None:

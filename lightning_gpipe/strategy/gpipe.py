@@ -36,7 +36,7 @@ from lightning_gpipe.strategy._balance import StrategyBalance
 from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
 from lightning_gpipe.strategy._checkpoint_hooks import CheckpointHooks
 from lightning_gpipe.strategy._clean_exit import keep_at_exit
-from lightning_gpipe.strategy._data_loading import DataLoading, FedLoader, check_data_loading
+from lightning_gpipe.strategy._data_loading import DataLoading, FedLoader, check_data_loading, open_feed
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
 from lightning_gpipe.strategy._mesh import (
     DP_REDUCTIONS,
@@ -274,8 +274,8 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_size_mb * 2**20))
         args = (self.stage, self.schedule, self.batch_dim, mesh.header_group, self.precision_plugin)
         self._micro = MicroBatchLoss.choose(module, self.micro_batch_loss, *args)
-        if mesh.input_group is not None and self._feed is None:
-            self._feed = BatchFeed(mesh.input_group, self.stage.is_first, mesh.timeout_s)
+        if self._feed is None:
+            self._feed = open_feed(mesh, self.stage.is_first, log=built)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_check.start_fit()

@@ -28,9 +28,15 @@ class Counting(TensorDataset):
 
 
 def fit_worker(rank: int, world_size: int, pp: int, hooked: bool) -> dict:
+    import logging
+
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch.strategies.gpipe").addHandler(handler)
     module = lightning_module(hooked=hooked)
     data = Counting(rank)
     strategy = GPipeStrategy(chunks=3, pipeline_parallel_size=pp, data_loading="first_stage")
@@ -39,7 +45,9 @@ def fit_worker(rank: int, world_size: int, pp: int, hooked: bool) -> dict:
     expected = reference(world_size // pp, None)
     params = {n: p.detach().cpu() for n, p in module.named_parameters()}
     errors = [(p - expected[n]).abs().max() / expected[n].abs().max() for n, p in params.items()]
-    return {"max": float(max(errors)), "checked": len(errors), "loaded": data.loaded, "threads": _feed_threads()}
+    said = [m for m in logged if "data_loading='first_stage'" in m]
+    loaded, threads = data.loaded, _feed_threads()
+    return {"max": float(max(errors)), "checked": len(errors), "loaded": loaded, "threads": threads, "said": said}
 
 
 def _feed_threads() -> list[str]:
@@ -62,6 +70,11 @@ def test_stage_zero_loads_and_the_run_is_the_plain_one(world_size: int, pp: int,
         loaded = r["loaded"]
         assert (STEPS * BATCH <= loaded <= (STEPS + 3) * BATCH) if rank % pp == 0 else loaded == 0, (rank, loaded, dp)
         assert r["threads"] == [], (rank, r["threads"])  # the feed's threads ended with the fit
+    assert results[0]["said"] == [
+        "GPipeStrategy: each pipeline's batches are loaded once, on its stage 0 (up to two ahead), and sent to its "
+        "1 other stage(s) (data_loading='first_stage')"
+    ]
+    assert all(r["said"] == [] for r in results[1:])  # rank 0 says it, once
 
 
 def habits_worker(rank: int, world_size: int, same_loader: bool) -> dict:
