@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,8 @@ class CheckpointHooks(ParallelStrategy):
     save_distributed_checkpoint: bool
 
     @property
-    def _rank_pipeline(self) -> RankPipeline:
-        raise NotImplementedError
+    @abstractmethod
+    def _rank_pipeline(self) -> RankPipeline: ...
 
     @property
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -143,8 +144,8 @@ class MeshCollectives(ParallelStrategy):
     over the world."""
 
     @property
-    def _mesh(self) -> PipelineMesh:
-        raise NotImplementedError
+    @abstractmethod
+    def _mesh(self) -> PipelineMesh: ...
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:

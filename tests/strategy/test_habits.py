@@ -198,6 +198,16 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "chunks": 3,
         "hooks": {"features": _vit_features, "head": _vit_head},
     },
+    # The same, its batches loaded on stage 0 only and sent to stage 1 (data_loading="first_stage").
+    "vit_fed": {
+        "build": lambda: _vit(alias=False),
+        "loss": _vit_loss,
+        "data": "images",
+        "path": "vit.blocks",
+        "chunks": 3,
+        "hooks": {"features": _vit_features, "head": _vit_head},
+        "data_loading": "first_stage",
+    },
     # BatchNorm normalizes each micro-batch: with M = 1 the pipelined run is the plain one exactly.
     "resnet_bn": {"build": _resnet, "loss": _resnet_loss, "data": "images", "chunks": 1},
     "tied_frozen_unused": {
@@ -263,6 +273,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
         batch_dim=spec.get("batch_dim", 0),
         balance=spec.get("balance", "parameters"),
         save_distributed_checkpoint=False,
+        data_loading=spec.get("data_loading", "every_stage"),
     )
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS)
     with warnings.catch_warnings(record=True) as caught:
@@ -428,8 +439,9 @@ def world_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
     return out
 
 
-WORLD2 = ["metrics_all", "vit_alias", "vit_dotted", "vit_inside", "resnet_bn", "tied_frozen_unused", "frozen_backbone",
-          "counter", "time_major", "unsaid_batch_dim", "metrics_placeholder", "loss_logging"]  # fmt: skip
+WORLD2 = ["metrics_all", "vit_alias", "vit_dotted", "vit_inside", "vit_fed", "resnet_bn", "tied_frozen_unused",
+          "frozen_backbone", "counter", "time_major", "unsaid_batch_dim", "metrics_placeholder",
+          "loss_logging"]  # fmt: skip
 WORLD4 = ["metrics_all", "tied_frozen_unused"]
 
 
@@ -461,6 +473,7 @@ def _check_fit(results: list[dict[str, Any]], name: str) -> None:
         "vit_alias",
         "vit_dotted",
         "vit_inside",
+        "vit_fed",
         "resnet_bn",
         "tied_frozen_unused",
         "frozen_backbone",
@@ -476,7 +489,7 @@ def test_pp2_equals_plain(world2: list[dict[str, Any]], name: str) -> None:
         assert r["stage_numel"] == (blocks // 4 if name == "vit_alias" else blocks // 2), (r["stage_numel"], blocks)
     if name == "vit_alias":
         assert all(w[name]["alias_is_stage"] for w in world2)
-    assert all(w[name]["loss_inside"] == (name == "vit_inside") for w in world2)
+    assert all(w[name]["loss_inside"] == (name in ("vit_inside", "vit_fed")) for w in world2)
     if name == "tied_frozen_unused":
         assert r["moved"]["unused.weight"] == 0.0  # no made-up zero gradient for AdamW to decay
         assert "backbone.0.0.weight" in r["moved"]
