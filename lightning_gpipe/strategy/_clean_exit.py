@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import time
 
 import torch.distributed as dist
 
@@ -11,6 +12,13 @@ import torch.distributed as dist
 # run that succeeded. torch leaves the call to the application (pytorch/pytorch#190489); a Lightning user's script
 # never makes it, so the strategy does. After a failure the groups are left alone: a peer may never answer, and
 # destroying a group waits for its pending work.
+#
+# Destroying does not join gloo's worker threads while something still references a group, and such a thread drops
+# its reference to the last collective's work only after waking the caller. Should that release come after the
+# interpreter began finalizing, taking the GIL ends the thread by a forced unwind and the process aborts all the same
+# (a gdb backtrace showed ProcessGroupGloo::AsyncWork's destructor in that thread). The pause lets the threads get
+# there first; under load they can be off the CPU for a few milliseconds.
+_SETTLE_S = 0.05
 _state = {"registered": False, "failed": False}
 
 
@@ -30,3 +38,4 @@ def keep_at_exit() -> None:
 def _destroy() -> None:
     if not _state["failed"] and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(_SETTLE_S)
