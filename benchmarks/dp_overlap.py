@@ -6,10 +6,14 @@
 #   after     -- the loss between the phases, then one reduction of every gradient once the backward phase is over
 #                (the project before issue 14);
 #   drained   -- the loss between the phases; each stage launches its buckets as its own drain ends;
-#   in-pipe   -- the loss inside the pipeline (1F1B); each stage's buckets leave during its last backward op, as
-#                their gradients end (ReadyBuckets).
+#   in-pipe even -- the loss inside the pipeline (1F1B); each stage's buckets leave during its last backward op, as
+#                their gradients end (ReadyBuckets), all of the same size;
+#   in-pipe   -- the same, with the last bucket (the stage's first layers, final only as the op ends) cut into
+#                buckets of at most 1 MiB (ReadyBuckets' default).
 # Per step and replica: visible = (the last stage's reduction done) − (the pipeline's last backward op done), both on
-# the one clock of this host; medians over the steps. Writes results/dp_overlap.{json,md}. From the repo root:
+# the one clock of this host; medians over the steps. The same measured from the last backward op of every replica
+# leaves out the skew between the replicas (a reduction cannot end before the other replica's gradients exist).
+# Writes results/dp_overlap.{json,md}. From the repo root:
 #   python -m benchmarks.dp_overlap
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.grads import BucketedAllReduce, OverlappedReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
 
-MODES = ("after", "drained", "in-pipe")
+MODES = ("after", "drained", "in-pipe even", "in-pipe")
 COLUMNS = [
     ("bucket_mb", "bucket (MiB)", ".0f"),
     ("mode", "mode", ""),
     ("visible_ms", "visible reduction (ms)", ".1f"),
     ("ratio", "÷ after", ".2f"),
+    ("visible_all_ms", "after every replica's last backward (ms)", ".1f"),
+    ("ratio_all", "÷ after", ".2f"),
 ]
 
 
@@ -45,7 +51,7 @@ def backbone(width: int, layers: int) -> nn.Sequential:
 
 def one_step(stage: GPipeStage, mode: str, reducers: tuple, x: torch.Tensor, y: torch.Tensor) -> int:
     """One training step ended the ``mode`` way; returns when this stage's last backward op ended."""
-    plain, overlapped, ready = reducers
+    plain, overlapped, ready, even = reducers
     N, ends, pending = len(x), [], []
 
     def drained(launch: Any = None) -> None:
@@ -53,7 +59,8 @@ def one_step(stage: GPipeStage, mode: str, reducers: tuple, x: torch.Tensor, y: 
         if launch is not None:
             pending.append(launch())
 
-    if mode == "in-pipe":
+    if mode.startswith("in-pipe"):
+        ready = even if mode == "in-pipe even" else ready
         sizes = micro_batch_sizes(N, stage.chunks)
         lo = [sum(sizes[:m]) for m in range(len(sizes))]
 
@@ -88,6 +95,7 @@ def run_job(rank: int, world: int, job: dict) -> dict:
             BucketedAllReduce(params, dp, int(mb * 2**20)),
             OverlappedReduction(params, [], dp, int(mb * 2**20)),
             ReadyBuckets(params, dp, int(mb * 2**20)),
+            ReadyBuckets(params, dp, int(mb * 2**20), tail_bytes=None),
         )
         for mb in job["bucket_mb"]
     }
@@ -95,6 +103,8 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     g = torch.Generator().manual_seed(rank // 2)
     x, y = torch.randn(N, W, generator=g), torch.randn(N, W, generator=g)
     visible: dict[str, list[float]] = {f"{mode} {mb}": [] for mode, mb in cases}
+    after_all: dict[str, list[float]] = {f"{mode} {mb}": [] for mode, mb in cases}
+    mates = [r for r in range(world) if r // 2 == rank // 2]  # this replica's two stages
     for step in range(job["warmup"] + job["steps"] * len(cases)):
         mode, mb = cases[step % len(cases)]
         stage.zero_grad(set_to_none=True)
@@ -102,12 +112,16 @@ def run_job(rank: int, world: int, job: dict) -> dict:
         end = one_step(stage, mode, reducers[mb], x, y)
         done = time.perf_counter_ns()
         mine = torch.tensor([end, done], dtype=torch.float64)
-        every = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
-        dist.all_gather(every, mine, group=pp)
+        every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, mine)
         if step >= job["warmup"]:
-            last_backward, reduced = max(float(t[0]) for t in every), max(float(t[1]) for t in every)
+            last_backward = max(float(every[r][0]) for r in mates)
+            reduced = max(float(every[r][1]) for r in mates)
+            everyones_last = max(float(t[0]) for t in every)
             visible[f"{mode} {mb}"].append((reduced - last_backward) / 1e6)
+            after_all[f"{mode} {mb}"].append((reduced - everyones_last) / 1e6)
     per_mode = {m: statistics.median(v) for m, v in visible.items()}
+    per_mode |= {f"{m} all": statistics.median(v) for m, v in after_all.items()}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, per_mode)
     return {"per_rank": gathered}
@@ -116,7 +130,8 @@ def run_job(rank: int, world: int, job: dict) -> dict:
 LABELS = {  # what each mode's bars are, in the figure's legend
     "after": "after the backward phase",
     "drained": "at each stage's drain",
-    "in-pipe": "in-pipe: during the last backward op",
+    "in-pipe even": "during the last backward op, even buckets",
+    "in-pipe": "during the last backward op, the last bucket cut",
 }
 
 
@@ -129,7 +144,9 @@ def plot(data: dict) -> Any:
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     for j, mode in enumerate(modes):
         values = [next(r["visible_ms"] for r in rows if r["mode"] == mode and r["bucket_mb"] == mb) for mb in sizes]
-        ax.bar([i + 0.27 * (j - 1) for i in range(len(sizes))], values, width=0.27, label=LABELS.get(mode, mode))
+        width = 0.8 / len(modes)
+        offset = width * (j - (len(modes) - 1) / 2)
+        ax.bar([i + offset for i in range(len(sizes))], values, width=width, label=LABELS.get(mode, mode))
     ax.set_xticks(range(len(sizes)), [f"{mb:g} MiB" for mb in sizes])
     ax.set(xlabel="gradient bucket size", ylabel="reduction left after the last backward (ms)")
     report.legend_right(ax, title="buckets launched")
@@ -147,7 +164,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="L, split 4 + 4")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[4.0, 1.0])
+    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0, 4.0, 1.0])
     parser.add_argument("--steps", type=int, default=12, help="per mode")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out-dir", default=None)
@@ -160,10 +177,21 @@ def main() -> None:
     # A replica's visible reduction: the same on its two stages (both take the pipeline's max); average replicas.
     rows = []
     for mb in args.bucket_mb:
-        values = {mode: statistics.mean(r[f"{mode} {mb}"] for r in result["per_rank"]) for mode in MODES}
+        row = {}
+        for key, suffix in (("visible_ms", ""), ("visible_all_ms", " all")):
+            row[key] = {m: statistics.mean(r[f"{m} {mb}{suffix}"] for r in result["per_rank"]) for m in MODES}
         for mode in MODES:
-            ratio = values[mode] / values["after"] if values["after"] > 0 else None
-            rows.append({"bucket_mb": mb, "mode": mode, "visible_ms": values[mode], "ratio": ratio})
+            v, a = row["visible_ms"], row["visible_all_ms"]
+            rows.append(
+                {
+                    "bucket_mb": mb,
+                    "mode": mode,
+                    "visible_ms": v[mode],
+                    "ratio": v[mode] / v["after"] if v["after"] > 0 else None,
+                    "visible_all_ms": a[mode],
+                    "ratio_all": a[mode] / a["after"] if a["after"] > 0 else None,
+                }
+            )
     env = report.environment(threads_per_process=1, processes="4 (pp 2 × dp 2)")
     params_per_stage = args.layers // 2 * (args.width * args.width + args.width)
     md = "\n".join(
@@ -174,7 +202,8 @@ def main() -> None:
             f"- Command: `{report.command_line('dp_overlap')}`",
             f"- MLP L = {args.layers} of width {args.width} ({params_per_stage / 1e6:.1f}M parameters per stage), "
             f"N = {args.batch}, M = {args.chunks}; every (bucket size, mode) by turns, {args.steps} steps each, "
-            "medians; ÷ after: against the reduction after the backward phase with the same buckets",
+            "medians; ÷ after: against the reduction after the backward phase with the same buckets; the last two "
+            "columns measure from the last backward op of every replica (the skew between replicas left out)",
             "",
             report.markdown_table(rows, COLUMNS),
         ]

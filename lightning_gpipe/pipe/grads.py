@@ -22,6 +22,8 @@ __all__ = [
 ]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# DDP's first bucket: small, so that the first all-reduce starts early.
+SMALL_BUCKET_BYTES = 2**20
 
 _Key = tuple[torch.dtype, torch.device]
 
@@ -146,13 +148,14 @@ class BucketedAllReduce:
         dp_group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         hierarchy: Hierarchy | None = None,
+        tail_bytes: int | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         # Not filtered by requires_grad: a parameter unfrozen after setup must still be averaged.
         self.params = _unique(params)
         self.dp_group, self.hierarchy = dp_group, hierarchy
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.tail_bytes = bucket_bytes, tail_bytes
         self._plan_keys: list[tuple[int, torch.dtype, torch.device]] = []
         self.buckets: list[list[nn.Parameter]] = []
         self.buffers: list[torch.Tensor | None] = []
@@ -166,17 +169,10 @@ class BucketedAllReduce:
         self._plan_keys = [(id(p), p.dtype, p.device) for p in params]
         self.buckets = []
         for group in _by_dtype_device(params).values():
-            bucket: list[nn.Parameter] = []
-            size = 0
-            for p in group:
-                nbytes = p.numel() * p.element_size()
-                if bucket and size + nbytes > self.bucket_bytes:
-                    self.buckets.append(bucket)
-                    bucket, size = [], 0
-                bucket.append(p)
-                size += nbytes
-            if bucket:
-                self.buckets.append(bucket)
+            buckets = _fill(group, self.bucket_bytes)
+            if self.tail_bytes is not None and self.tail_bytes < self.bucket_bytes:
+                buckets += _fill(buckets.pop(), self.tail_bytes)
+            self.buckets += buckets
         self.buffers = [None] * len(self.buckets)
 
     def _buffer(self, i: int) -> torch.Tensor:
@@ -207,6 +203,23 @@ class BucketedAllReduce:
             _pack(bucket, buffer)
             pending.append((bucket, buffer, launch_sum(buffer, self.dp_group, self.hierarchy)))
         return PendingReduction(world, pending)
+
+
+def _fill(params: list[nn.Parameter], cap: int) -> list[list[nn.Parameter]]:
+    """``params`` in order, in buckets of at most ``cap`` bytes (a larger tensor gets a bucket of its own)."""
+    buckets: list[list[nn.Parameter]] = []
+    bucket: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if bucket and size + nbytes > cap:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(p)
+        size += nbytes
+    if bucket:
+        buckets.append(bucket)
+    return buckets
 
 
 class PendingReduction:

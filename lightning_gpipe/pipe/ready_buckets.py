@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe.grads import (
+    SMALL_BUCKET_BYTES,
     BucketedAllReduce,
     PendingReduction,
     _group_size,
@@ -24,7 +25,8 @@ class ReadyBuckets:
 
     :meth:`arm` runs right before that op: the replicas agree on the parameters taking part (those with a gradient
     from an earlier micro-batch on some replica) and a hook on each counts its gradient in. The buckets are planned
-    in reverse order (the last layers' gradients are final first) and launched strictly in that order, each once
+    in reverse order (the last layers' gradients are final first), the last of them cut into buckets of at most
+    ``tail_bytes`` (None: not cut), and launched strictly in that order, each once
     all of its gradients are in and those before it left, so every replica issues the same collectives in the same
     order. :meth:`launch_rest` then (after the op) launches what is left, and the parameters whose first gradient
     came in that op (another small agreement, always made); ``wait()`` on its result finishes the mean. Each
@@ -37,9 +39,11 @@ class ReadyBuckets:
         dp_group: dist.ProcessGroup | None,
         bucket_bytes: int,
         hierarchy: Hierarchy | None = None,
+        tail_bytes: int | None = SMALL_BUCKET_BYTES,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp_group, self.bucket_bytes, self.hierarchy = dp_group, bucket_bytes, hierarchy
+        self.tail_bytes = tail_bytes
         self._reduce: BucketedAllReduce | None = None
         self._planned: set[int] = set()
         self._missing: list[int] = []  # per bucket: gradients not in yet
@@ -55,8 +59,11 @@ class ReadyBuckets:
         active = used_somewhere(self.params, self.dp_group)
         reduce = self._reduce
         if reduce is None or [id(p) for p in reduce.params] != [id(p) for p in reversed(active)]:
+            # The last bucket's gradients are final only as the op ends, so all of it is reduced after: it is cut
+            # into small buckets, which leave one by one as the stage's first layers finish (DDP makes its first
+            # bucket small for the mirror reason: to start early).
             reduce = self._reduce = BucketedAllReduce(
-                list(reversed(active)), self.dp_group, self.bucket_bytes, self.hierarchy
+                list(reversed(active)), self.dp_group, self.bucket_bytes, self.hierarchy, self.tail_bytes
             )
         self._planned = {id(p) for p in active}
         self._missing = [len(b) for b in reduce.buckets]

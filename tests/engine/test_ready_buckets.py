@@ -30,7 +30,9 @@ def _step(stage: GPipeStage, replica: int, step: int, hooks: dict[str, Any]) -> 
     )
 
 
-def ready_worker(rank: int, world_size: int, M: int, frozen: bool) -> dict[str, Any]:
+def ready_worker(
+    rank: int, world_size: int, M: int, frozen: bool, bucket_bytes: int = 64, tail_bytes: int | None = None
+) -> dict[str, Any]:
     pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pp, dp, replica = pp_groups[rank // 2], dp_groups[rank % 2], rank // 2
@@ -40,7 +42,8 @@ def ready_worker(rank: int, world_size: int, M: int, frozen: bool) -> dict[str, 
         backbone[2 if rank % 2 == 0 else 6][0].bias.requires_grad_(False)
     stage = GPipeStage(backbone, chunks=M, balance=[4, 4], group=pp)
     params = list(stage.parameters())
-    ready = ReadyBuckets(params, dp, bucket_bytes=64)  # about one parameter per bucket
+    # 64 bytes: about one parameter per bucket; or one bucket for all, whose tail cut makes them leave one by one
+    ready = ReadyBuckets(params, dp, bucket_bytes, tail_bytes=tail_bytes)
     launches: list[int] = []
     ends: list[int] = []
     real = dist.all_reduce
@@ -74,19 +77,40 @@ def ready_worker(rank: int, world_size: int, M: int, frozen: bool) -> dict[str, 
             )
     finally:
         dist.all_reduce = real
-    return {"same": same, "during": during, "buckets": len(params)}
+    assert ready._reduce is not None
+    return {"same": same, "during": during, "buckets": ready._reduce.num_buckets}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("M", "frozen"), [(4, False), (4, True), (1, False)], ids=["all trained", "one frozen per stage", "M=1"]
+    ("M", "frozen", "bucket_bytes", "tail_bytes"),
+    [(4, False, 64, None), (4, True, 64, None), (1, False, 64, None), (4, False, 2**25, 64)],
+    ids=["all trained", "one frozen per stage", "M=1", "one bucket, its tail cut"],
 )
-def test_buckets_leave_during_the_last_backward_with_the_same_means(M: int, frozen: bool) -> None:
-    for rank, r in enumerate(run_distributed(ready_worker, 4, M, frozen, timeout=100)):
+def test_buckets_leave_during_the_last_backward_with_the_same_means(
+    M: int, frozen: bool, bucket_bytes: int, tail_bytes: int | None
+) -> None:
+    results = run_distributed(ready_worker, 4, M, frozen, bucket_bytes, tail_bytes, timeout=100)
+    for rank, r in enumerate(results):
         assert r["same"], rank  # bit for bit: each element summed over the same two replicas
         if M > 1:
+            assert r["buckets"] > 4, (rank, r)  # the stage's 4 layers' parameters: about one bucket each
             # Every step some buckets left before the last backward op ended (its first layers' gradients were
             # not final yet), not all of them after.
             assert all(d >= 1 for d in r["during"]), (rank, r)
         else:  # no gradient before the only backward op: every parameter is late, reduced after it
             assert r["during"] == [0, 0, 0], (rank, r)
+
+
+def test_the_last_bucket_is_cut_small() -> None:
+    """Planned in the order given; only what the last full-size bucket holds is cut into buckets of ≤ tail_bytes."""
+    layers = [torch.nn.Linear(16, 16) for _ in range(6)]  # 1088 bytes each: weight 1024, bias 64
+    params = [p for layer in layers for p in layer.parameters()]
+    plain = BucketedAllReduce(params, None, bucket_bytes=2500)
+    cut = BucketedAllReduce(params, None, bucket_bytes=2500, tail_bytes=1024)
+    size = lambda bucket: sum(p.numel() * p.element_size() for p in bucket)  # noqa: E731
+    assert [len(b) for b in plain.buckets] == [4, 4, 4]
+    assert cut.buckets[:2] == plain.buckets[:2]
+    assert [size(b) for b in cut.buckets[2:]] == [1024, 64, 1024, 64]
+    assert [p for b in cut.buckets for p in b] == params
+    assert BucketedAllReduce(params, None, 2500, tail_bytes=4096).buckets == plain.buckets  # a larger tail: no cut
