@@ -16,8 +16,8 @@ import torch.distributed as dist
 # Destroying does not join gloo's worker threads while something still references a group, and such a thread drops
 # its reference to the last collective's work only after waking the caller. Should that release come after the
 # interpreter began finalizing, taking the GIL ends the thread by a forced unwind and the process aborts all the same
-# (a gdb backtrace showed ProcessGroupGloo::AsyncWork's destructor in that thread). The pause lets the threads get
-# there first; under load they can be off the CPU for a few milliseconds.
+# (seen in benchmark workers: gdb showed ProcessGroupGloo::AsyncWork's destructor in that thread). The pause lets the
+# threads get there first; under load they can be off the CPU for a few milliseconds.
 _SETTLE_S = 0.05
 _state = {"registered": False, "failed": False}
 
