@@ -2,15 +2,16 @@
 
 # What it runs: throughput.py's small AmoebaNet-D and Transformer (workloads.py; the Transformer's vocabulary
 # projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread
-# each, checkpoint="except_last", time-profiled balance), a training step = forward + loss + backward + RMSProp
-# update, with the stage's timeline on, along three loss paths, alternating step by step in the same processes:
-# "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and "gpipe" and "1f1b"
-# (stage.train_step: the loss per micro-batch on the last stage, inside the pipeline). Each step is traced on every
-# stage (clocks lined up after a barrier), then broken down by lightning_gpipe.pipe.trace_stats.breakdown: recompute,
-# bubble (pipeline time in which a stage computes nothing), load imbalance, transfer (the part of receive waits after
-# the peer sent), the loss, the weight update, as shares of the step, and the efficiency (the ideal GPipe step over
-# the measured one); medians over the clean traced steps. One Gantt chart per configuration. Writes
-# <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>_<path>.png. Run from the repo root:
+# each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance), a training step = forward
+# + loss + backward + RMSProp update, with the stage's timeline on, along three loss paths, alternating step by step
+# in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
+# "gpipe" and "1f1b" (stage.train_step: the loss per micro-batch on the last stage, inside the pipeline). Each step is
+# traced on every stage (clocks lined up after a barrier), then broken down by
+# lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
+# load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
+# the step, and the efficiency (the ideal GPipe step over the measured one); medians over the clean traced steps. One
+# Gantt chart per configuration. Writes <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>_<path>.png. Run
+# from the repo root:
 #   python -m benchmarks.overhead
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     paths = job["paths"]
     for name, entry in job["models"].items():
         torch.manual_seed(0)
-        stage = GPipeStage(build(name, entry["sizes"]), chunks=job["M"], balance=entry["balance"])
+        stage = GPipeStage(
+            build(name, entry["sizes"]), chunks=job["M"], balance=entry["balance"], checkpoint=job["checkpoint"]
+        )
         optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
         x, target = make_batch(name, entry["sizes"])
         steps: dict[str, list[dict]] = {path: [] for path in paths}
@@ -234,6 +237,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--clean-threshold", type=float, default=0.1)
     parser.add_argument("--wait-quiet", type=float, default=20.0)
+    parser.add_argument("--checkpoint", choices=["except_last", "always", "never"], default="except_last")
     parser.add_argument("--out-dir", default=str(report.RESULTS))
     parser.add_argument("--smoke", action="store_true", help="tiny models, K=2, 3 steps, no quiet waits")
     args = parser.parse_args()
@@ -260,6 +264,7 @@ def main() -> None:
             "out_dir": args.out_dir,
             "models": {n: {"sizes": sizes[n], "balance": info["balance"][K]} for n, info in models.items()},
             "paths": args.paths,
+            "checkpoint": args.checkpoint,
         }
         raw[K] = launch(run_job, K, job)
         for name in args.models:
@@ -281,7 +286,8 @@ def main() -> None:
     md += [
         f"- Command: `{command}`; total {total:.0f} s",
         "- Step: forward + loss + backward + RMSProp update, every stage traced; shares of the whole step (first "
-        "event to last on any stage), medians over clean traced steps; checkpoint=except_last; balance by time. "
+        f"event to last on any stage), medians over clean traced steps; checkpoint={args.checkpoint}; balance by "
+        "time. "
         "Loss paths, alternating step by step in the same processes: whole-batch = `stage(x)`, the loss on the "
         "whole output on the last stage and its backward, `stage.backward()`; gpipe / 1f1b = "
         "`stage.train_step(x, loss_fn, schedule=...)`, the loss per micro-batch (weighted n_m/N) on the last stage.",
