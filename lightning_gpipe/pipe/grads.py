@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-# DDP's first bucket: small, so that the first all-reduce starts early.
+# DDP's first-bucket size: a small bucket's all-reduce is short, wherever in the order it falls.
 SMALL_BUCKET_BYTES = 2**20
 
 _Key = tuple[torch.dtype, torch.device]

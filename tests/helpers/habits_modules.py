@@ -185,16 +185,6 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "chunks": 3,
         "hooks": {"features": _vit_features, "head": _vit_head},
     },
-    # The same, its batches loaded on stage 0 only and sent to stage 1 (data_loading="first_stage").
-    "vit_fed": {
-        "build": lambda: vit_parts(alias=False),
-        "loss": _vit_loss,
-        "data": "images",
-        "path": "vit.blocks",
-        "chunks": 3,
-        "hooks": {"features": _vit_features, "head": _vit_head},
-        "data_loading": "first_stage",
-    },
     # BatchNorm normalizes each micro-batch: with M = 1 the pipelined run is the plain one exactly.
     "resnet_bn": {"build": _resnet, "loss": _resnet_loss, "data": "images", "chunks": 1},
     "tied_frozen_unused": {
@@ -210,6 +200,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # Counted once per micro-batch, never again in the recompute: N per step, as on one device.
     "counter": {"build": _counting, "loss": _counting_loss, "data": "vectors"},
 }
+# The ViT with the loss inside, its batches loaded on stage 0 only and sent to stage 1.
+SCENARIOS["vit_fed"] = {**SCENARIOS["vit_inside"], "data_loading": "first_stage"}
 
 
 def scenario_data(kind: str, n: int = 64) -> TensorDataset:  # 4 steps of 8 on each of 2 replicas

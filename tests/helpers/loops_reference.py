@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,26 +79,32 @@ def rel(a: float, b: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- the reference
-def _per_micro_batch(net: nn.Module, x: torch.Tensor, full_bn: dict[int, nn.Module]) -> torch.Tensor:
-    """What GPipe computes: each micro-batch through the plain model alone (BatchNorm with micro-batch statistics).
-
-    ``full_bn`` (copies of the BatchNorm layers) sees each BatchNorm's whole mini-batch input at once: its running
-    statistics are what deferred BatchNorm must end with.
-    """
+@contextlib.contextmanager
+def _whole_batch_statistics(net: nn.Module, full_bn: dict[int, nn.Module]) -> Iterator[None]:
+    """Collects what each BatchNorm of ``net`` sees inside the block, then runs ``full_bn``'s copies on all of it."""
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in full_bn}
     hooks = [
         net.backbone[i].register_forward_pre_hook(lambda _, a, got=got: got.append(a[0].detach()))
         for i, got in seen.items()
     ]
     try:
-        out = torch.cat([net(mb) for mb in x.split(micro_batch_sizes(len(x), CHUNKS))])
+        yield
     finally:
         for h in hooks:
             h.remove()
     with torch.no_grad():
         for i, bn in full_bn.items():
             bn(torch.cat(seen[i]))
-    return out
+
+
+def _per_micro_batch(net: nn.Module, x: torch.Tensor, full_bn: dict[int, nn.Module]) -> torch.Tensor:
+    """What GPipe computes: each micro-batch through the plain model alone (BatchNorm with micro-batch statistics).
+
+    ``full_bn`` (copies of the BatchNorm layers) sees each BatchNorm's whole mini-batch input at once: its running
+    statistics are what deferred BatchNorm must end with.
+    """
+    with _whole_batch_statistics(net, full_bn):
+        return torch.cat([net(mb) for mb in x.split(micro_batch_sizes(len(x), CHUNKS))])
 
 
 def reference(case: Case, dp: int) -> dict[str, Any]:
@@ -160,22 +168,11 @@ def reference_evaluation(net: nn.Module) -> dict[str, Any]:
 def _synced_micro_batches(net: nn.Module, xs: list[torch.Tensor], full_bn: dict[int, nn.Module]) -> list[torch.Tensor]:
     """What synchronized BatchNorm computes: micro-batch m of every replica through the plain model together (one
     set of statistics over all replicas' m-th micro-batches); ``full_bn`` sees the whole global mini-batch."""
-    seen: dict[int, list[torch.Tensor]] = {i: [] for i in full_bn}
-    hooks = [
-        net.backbone[i].register_forward_pre_hook(lambda _, a, got=got: got.append(a[0].detach()))
-        for i, got in seen.items()
-    ]
     pieces = [x.split(micro_batch_sizes(len(x), CHUNKS)) for x in xs]
     outs: list[list[torch.Tensor]] = [[] for _ in xs]
-    try:
+    with _whole_batch_statistics(net, full_bn):
         for m in range(len(pieces[0])):
             joint = net(torch.cat([p[m] for p in pieces]))
             for d, out in enumerate(joint.split([p[m].shape[0] for p in pieces])):
                 outs[d].append(out)
-    finally:
-        for h in hooks:
-            h.remove()
-    with torch.no_grad():
-        for i, bn in full_bn.items():
-            bn(torch.cat(seen[i]))
     return [torch.cat(o) for o in outs]
