@@ -24,7 +24,13 @@ from lightning_gpipe.pipe.schedule import Checkpoint, Schedule, validate_checkpo
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
 from lightning_gpipe.pipe.train_step import LossFn, ScheduleName, train_step, validate_schedule
-from lightning_gpipe.pipe.transport import DEFAULT_TIMEOUT_S, Transport, cpu_group
+from lightning_gpipe.pipe.transport import (
+    DEFAULT_TIMEOUT_S,
+    Transport,
+    check_upstream_group,
+    cpu_group,
+    upstream_group_for,
+)
 
 
 class GPipeStage(nn.Module):
@@ -49,6 +55,9 @@ class GPipeStage(nn.Module):
             0, or 1 for time-major ``(T, N, ...)`` tensors (nn.GRU, nn.LSTM, nn.Transformer without batch_first).
         group: the pipeline's process group, stage k = group rank k (default: the world).
         header_group: a gloo group over the same ranks for headers and status checks (made for you if needed).
+        upstream_group: a second group over the same ranks for the tensors that flow to lower stages (gradients):
+            NCCL runs one group's transfers in posting order, so both directions on one group would deadlock (made
+            for you over the world; needed with an NCCL subgroup; gloo uses ``group`` for both, see ``transport``).
         deferred_batch_norm: turn BatchNorm layers into :class:`DeferredBatchNorm`.
         output: ``"last"`` returns the output on the last stage only; ``"all"`` on every stage; ``"placeholder"``
             gives the other stages zeros of the same structure, shapes and dtypes (no tensor data crosses).
@@ -68,6 +77,7 @@ class GPipeStage(nn.Module):
         batch_dim: int = 0,
         group: dist.ProcessGroup | None = None,
         header_group: dist.ProcessGroup | None = None,
+        upstream_group: dist.ProcessGroup | None = None,
         deferred_batch_norm: bool = True,
         sample: Any = None,
         output: OutputMode = "last",
@@ -83,7 +93,7 @@ class GPipeStage(nn.Module):
         output = validate_output_mode(output, "output")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim must be an int ≥ 0 (0: batch-first, 1: time-major), got {batch_dim!r}")
-        groups = _process_groups(group, header_group)
+        groups = _process_groups(group, header_group, upstream_group)
         self._index = dist.get_rank(groups[0]) if groups else 0
         self._num_stages = dist.get_world_size(groups[0]) if groups else 1
         self._chunks = chunks
@@ -114,7 +124,9 @@ class GPipeStage(nn.Module):
         links = None
         if groups:
             wait = timedelta(seconds=timeout)
-            transport = Transport(groups[0], device=self._device, timeout=wait, header_group=groups[1])
+            transport = Transport(
+                groups[0], device=self._device, timeout=wait, header_group=groups[1], upstream_group=groups[2]
+            )
             links = Links(transport, StatusCheck(groups[1], self._index, wait), self._index, self._timeline)
         self._failures = FailureHandler(self._index, self._num_stages, links, self._timeline)
         self._schedule = Schedule(
@@ -313,13 +325,17 @@ class GPipeStage(nn.Module):
 
 
 def _process_groups(
-    group: dist.ProcessGroup | None, header_group: dist.ProcessGroup | None
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
-    """The pipeline's group (default: the world) and a gloo group over its ranks for headers and status checks
-    (made if not given); None when torch.distributed is not initialized: a single stage, with no peers."""
+    group: dist.ProcessGroup | None, header_group: dist.ProcessGroup | None, upstream_group: dist.ProcessGroup | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup] | None:
+    """The pipeline's group (default: the world), a gloo group over its ranks for headers and status checks, and
+    the group for upstream tensors (each made if not given); None when torch.distributed is not initialized: a
+    single stage, with no peers."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if group is None:
         group = dist.group.WORLD
         assert group is not None, "torch.distributed is initialized"
-    return group, header_group if header_group is not None else cpu_group(group)
+    if upstream_group is None:
+        upstream_group = upstream_group_for(group)
+    check_upstream_group(group, upstream_group)
+    return group, header_group if header_group is not None else cpu_group(group), upstream_group

@@ -2,9 +2,17 @@
 
 A message is one fixed-size header (plus an overflow part for very large structures) followed by the raw bytes of
 each tensor. The header says the structure, every tensor's dtype, shape and whether it needs a gradient, so shapes
-and dtypes may change with every message. Headers travel on a CPU (gloo) group, tensors on the data group (gloo on
-CPU, NCCL on GPU). Sends never block: they are queued and retired once the peer has received them. A header may
-instead carry an error, which is how a failing stage wakes up peers that wait for it.
+and dtypes may change with every message. Headers travel on a CPU (gloo) group, tensors on two data groups (gloo
+on CPU, NCCL on GPU), one per direction: ``group`` carries what flows to higher stages (activations), and
+``upstream_group`` what flows to lower ones (gradients, the shared output). NCCL runs one communicator's transfers in
+posting order and a large send ends only when its receive runs, so activations and gradients queued on one
+communicator form a cycle (stage 0: send a0, send a1, recv g0; the last stage: recv a0, send g0, recv a1) that
+hangs; per direction, every queue runs in one order that both of its ends agree on (``nccl_order`` checks it on CPU).
+
+Sends never block: they are queued and retired once the peer has received them. On NCCL a wait for tensor data
+makes the CUDA stream wait, not the host (the header, on gloo, already told the host what comes and from whom, and
+carries timeouts and errors). A header may instead carry an error, which is how a failing stage wakes up peers
+that wait for it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_gpipe.pipe import nccl_order
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.microbatch import differentiable
 
@@ -96,7 +105,7 @@ class PendingRecv:
                 f"stage {self.src} sent {metas} for {self.what}, but stage {tr.stage} expected {self.expect}"
             )
         for work in self.works:
-            tr._wait(work, self.what, self.src)
+            tr._wait(work, self.what, self.src, data=True)
         for t, meta in zip(self.tensors, metas):
             if meta.requires_grad and differentiable(t):
                 t.requires_grad_()
@@ -115,26 +124,48 @@ class Transport:
         device: torch.device,
         timeout: timedelta,
         header_group: dist.ProcessGroup | None = None,
+        upstream_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.upstream_group = upstream_group if upstream_group is not None else group
         self.header_group = header_group if header_group is not None else group
         self.stage = dist.get_rank(group)
         self.device = device
         self.timeout = timeout
-        self._pending_sends: list[tuple[Any, torch.Tensor, int]] = []
+        # On NCCL a data wait is a CUDA stream's (work.wait() with a timeout would poll on the host).
+        self.stream_waits = "nccl" in str(dist.get_backend(group)).lower()
+        self._ordered: dict[str, nccl_order.OrderedP2P] = {}
+        if nccl_order.enabled():
+            stall_s = timeout.total_seconds()
+            self._ordered["down"] = nccl_order.OrderedP2P(group, "downstream", stall_s)
+            up = self._ordered["down"] if self.upstream_group is group else None
+            self._ordered["up"] = up or nccl_order.OrderedP2P(self.upstream_group, "upstream", stall_s)
+        # (work, buffer, peer, whether it is tensor data): kept until the peer received it.
+        self._pending_sends: list[tuple[Any, torch.Tensor, int, bool]] = []
+
+    def _data_group(self, downstream: bool) -> tuple[str, dist.ProcessGroup]:
+        return ("down", self.group) if downstream else ("up", self.upstream_group)
 
     def _irecv(self, buf: torch.Tensor, src: int, tag: int, header: bool) -> Any:
-        group = self.header_group if header else self.group
+        if header:
+            return dist.irecv(buf, group=self.header_group, group_src=src, tag=tag)
+        direction, group = self._data_group(downstream=src < self.stage)
+        if self._ordered:
+            return self._ordered[direction].irecv(buf, src)
         return dist.irecv(buf, group=group, group_src=src, tag=tag)
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int, header: bool) -> None:
-        group = self.header_group if header else self.group
+        direction, group = ("", self.header_group) if header else self._data_group(downstream=dst > self.stage)
+        work: Any
         try:
-            work = dist.isend(buf, group=group, group_dst=dst, tag=tag)
+            if not header and self._ordered:
+                work = self._ordered[direction].isend(buf, dst)
+            else:
+                work = dist.isend(buf, group=group, group_dst=dst, tag=tag)
         except RuntimeError as e:
             raise self._lost(e, f"stage {dst} to take a message", dst) from e
         # The handle must stay referenced until the peer received it: dropping a gloo send's handle cancels it.
-        self._pending_sends.append((work, buf, dst))
+        self._pending_sends.append((work, buf, dst, not header))
 
     def _lost(self, e: RuntimeError, waited_for: str, peer: int) -> RuntimeError:
         text = str(e)
@@ -157,9 +188,12 @@ class Transport:
             )
         return e
 
-    def _wait(self, work: Any, what: str, peer: int) -> None:
+    def _wait(self, work: Any, what: str, peer: int, data: bool = False) -> None:
         try:
-            work.wait(self.timeout)
+            if data and self.stream_waits:
+                work.wait()
+            else:
+                work.wait(self.timeout)
         except RuntimeError as e:
             raise self._lost(e, f"{what} from stage {peer}", peer) from e
 
@@ -205,16 +239,17 @@ class Transport:
 
     def retire_sends(self) -> None:
         """Drop the sends the peers have received, releasing their buffers; never blocks."""
-        self._pending_sends = [(w, b, d) for w, b, d in self._pending_sends if not w.is_completed()]
+        self._pending_sends = [s for s in self._pending_sends if not s[0].is_completed()]
 
     def unreceived(self) -> list[int]:
         """The stages that have not yet received something this stage sent them."""
-        return sorted({d for w, _, d in self._pending_sends if not w.is_completed()})
+        return sorted({d for w, _, d, _ in self._pending_sends if not w.is_completed()})
 
     def wait_sends(self) -> None:
-        for work, _, dst in self._pending_sends:
+        """Wait until the peers received every send (on NCCL, the stream waits for the data: no host sync)."""
+        for work, _, dst, data in self._pending_sends:
             try:
-                work.wait(self.timeout)
+                work.wait() if data and self.stream_waits else work.wait(self.timeout)
             except RuntimeError as e:
                 raise self._lost(e, f"stage {dst} to receive a message", dst) from e
         self._pending_sends.clear()
@@ -226,7 +261,7 @@ class Transport:
         polled, not waited on, for up to ``grace_s`` so that the peer gets it and fails on its own instead of hanging.
         """
         deadline = time.monotonic() + grace_s
-        while any(not w.is_completed() for w, _, _ in self._pending_sends) and time.monotonic() < deadline:
+        while any(not s[0].is_completed() for s in self._pending_sends) and time.monotonic() < deadline:
             time.sleep(0.001)
         self._pending_sends.clear()
 
@@ -243,3 +278,40 @@ def cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     headers = dist.new_group(backend="gloo")
     assert isinstance(headers, dist.ProcessGroup), "every rank is a member of a group over all ranks"
     return headers
+
+
+def runs_in_order(group: dist.ProcessGroup) -> bool:
+    """Whether ``group``'s transfers run in posting order: NCCL, or gloo in ``nccl_order``'s test mode."""
+    return "nccl" in str(dist.get_backend(group)).lower() or nccl_order.enabled()
+
+
+def upstream_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group for the tensors that flow to lower stages: a second group over ``group``'s ranks where transfers
+    run in order (see ``runs_in_order``); elsewhere ``group`` itself, as gloo matches by tag and buffers sends."""
+    if not runs_in_order(group):
+        return group
+    backend = str(dist.get_backend(group))
+    if group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            f"the pipeline group uses {backend!r}, which runs a group's transfers in posting order, so activations "
+            "and gradients on one group can deadlock; pass upstream_group=, a second group over the same ranks "
+            f"(dist.new_group(ranks, backend={backend!r}), created on every rank of the world)"
+        )
+    upstream = dist.new_group(backend=backend)
+    assert isinstance(upstream, dist.ProcessGroup), "every rank is a member of a group over all ranks"
+    return upstream
+
+
+def check_upstream_group(group: dist.ProcessGroup, upstream: dist.ProcessGroup) -> None:
+    """``upstream`` must hold ``group``'s ranks in the same order, and be another group where order matters."""
+    ranks, up_ranks = dist.get_process_group_ranks(group), dist.get_process_group_ranks(upstream)
+    if up_ranks != ranks:
+        raise ValueError(
+            f"upstream_group holds the ranks {up_ranks}, but the pipeline group holds {ranks}: pass a group over the "
+            "same ranks, in the same order"
+        )
+    if upstream is group and runs_in_order(group):
+        raise ValueError(
+            "upstream_group is the pipeline group itself, whose transfers run in posting order, so activations and "
+            "gradients on one group can deadlock; pass a second group over the same ranks"
+        )

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from lightning_gpipe.pipe.hierarchy import Hierarchy, build_hierarchies
+from lightning_gpipe.pipe.transport import runs_in_order
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._audit import logger
 from lightning_gpipe.strategy._clean_exit import destroy_at_exit
@@ -34,6 +35,8 @@ class PipelineMesh:
 
     ``pp_group`` holds the K stages of this rank's pipeline, ``dp_group`` the replicas of this rank's stage, and
     ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU.
+    ``upstream_group``: the same ranks again, for the tensors that flow to lower stages, where one group would run
+    both directions in one order (NCCL: see ``pipe.transport``), else ``pp_group``.
     ``timeout_s``: how long a rank waits for another, the process groups' timeout. ``dp_hierarchy``: this rank's
     part of the hierarchical data-parallel reduction, or None for the flat one. ``input_group``: the pipeline's
     stages over gloo for the batches stage 0 loads for them (``data_loading="first_stage"``), else None.
@@ -45,6 +48,7 @@ class PipelineMesh:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     header_group: dist.ProcessGroup
+    upstream_group: dist.ProcessGroup
     timeout_s: float
     dp_hierarchy: Hierarchy | None = None
     input_group: dist.ProcessGroup | None = None
@@ -69,9 +73,12 @@ class PipelineMesh:
         shape, names = (world_size // K, K), ("data_parallel", "pipeline_parallel")
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         pp_group, dp_group = mesh["pipeline_parallel"].get_group(), mesh["data_parallel"].get_group()
-        header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _gloo_groups(world_size, K, rank)
+        header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _pipeline_groups(world_size, K, rank)
+        upstream = pp_group
+        if runs_in_order(pp_group):
+            upstream = _pipeline_groups(world_size, K, rank, backend=str(dist.get_backend(pp_group)))
         # Its own group: the feed's thread broadcasts while the main thread talks on the others.
-        inputs = _gloo_groups(world_size, K, rank) if input_group and K > 1 else None
+        inputs = _pipeline_groups(world_size, K, rank) if input_group and K > 1 else None
         hierarchy = None
         if hierarchical(dp_reduction, world_size, K, per_node):
             dp_groups = [list(range(k, world_size, K)) for k in range(K)]
@@ -82,7 +89,7 @@ class PipelineMesh:
                     "among one rank per node, then back (dp_reduction='hierarchical')"
                 )
         timeout_s = (timeout or default_pg_timeout).total_seconds()
-        return cls(K, rank, mesh, pp_group, dp_group, header_group, timeout_s, hierarchy, inputs)
+        return cls(K, rank, mesh, pp_group, dp_group, header_group, upstream, timeout_s, hierarchy, inputs)
 
 
 def hierarchical(dp_reduction: DpReduction, world_size: int, K: int, per_node: int) -> bool:
@@ -93,11 +100,11 @@ def hierarchical(dp_reduction: DpReduction, world_size: int, K: int, per_node: i
     return world_size > per_node and per_node > K
 
 
-def _gloo_groups(world_size: int, K: int, rank: int) -> dist.ProcessGroup:
-    """A new gloo group per pipeline; this rank's."""
+def _pipeline_groups(world_size: int, K: int, rank: int, backend: str = "gloo") -> dist.ProcessGroup:
+    """A new group per pipeline; this rank's."""
     mine = None
     for start in range(0, world_size, K):  # new_group is collective over the world: all create all
-        group = dist.new_group(list(range(start, start + K)), backend="gloo")
+        group = dist.new_group(list(range(start, start + K)), backend=backend)
         if start <= rank < start + K and isinstance(group, dist.ProcessGroup):
             mine = group
     assert mine is not None
