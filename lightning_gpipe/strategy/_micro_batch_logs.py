@@ -22,10 +22,25 @@ from lightning_gpipe.strategy._lightning_internals import (
 REDUCTIONS = ("mean", "sum", "max", "min")
 
 
+def host_floats(values: list[Any]) -> list[float]:
+    """``values`` (numbers, or one-element tensors on any device) as floats, with one device-to-host copy for all
+    the tensors of a device: per step, not per micro-batch, so the host does not wait for the GPU M times."""
+    out = [v if isinstance(v, (int, float)) else None for v in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if out[i] is None:
+            by_device.setdefault(torch.as_tensor(v).device, []).append(i)
+    for device, indices in by_device.items():
+        stacked = torch.stack([torch.as_tensor(values[i], device=device).detach().reshape(()) for i in indices])
+        for i, x in zip(indices, stacked.double().tolist()):
+            out[i] = x
+    return [float(x) for x in out]  # type: ignore[arg-type]
+
+
 @dataclass
 class _Key:
     kwargs: dict[str, Any]
-    values: list[float] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)  # as logged (tensors stay on their device until combined)
     weights: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
     metric: str | None = None  # the logged Metric's module path
@@ -63,7 +78,7 @@ class LogRecorder:
             key.metric = self._metric_paths[id(value)]
             return
         _reduction(name, kwargs)
-        key.values.append(float(value))
+        key.values.append(value.detach() if isinstance(value, torch.Tensor) else float(value))
         key.weights.append(self.weight)
         if "batch_size" in kwargs:
             key.batch_sizes.append(int(kwargs["batch_size"]))
@@ -75,6 +90,10 @@ class LogRecorder:
     def combined(self, M: int) -> list[tuple[str, Any, dict[str, Any]]]:
         """(name, value or Metric path, options) per key, in the order first logged: what every rank logs once."""
         out: list[tuple[str, Any, dict[str, Any]]] = []
+        logged = [key for key in self.keys.values() if key.metric is None]
+        flat = host_floats([v for key in logged for v in key.values])
+        for key in logged:
+            key.values, flat = flat[: len(key.values)], flat[len(key.values) :]
         for name, key in self.keys.items():
             if key.metric is not None:
                 out.append((name, key.metric, key.kwargs))

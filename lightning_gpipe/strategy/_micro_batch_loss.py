@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
-from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, replay, step_only_metrics
+from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, host_floats, replay, step_only_metrics
 from lightning_gpipe.strategy._rank_pipeline import EarlyReduction
 from lightning_gpipe.strategy._split_check import check_split_invariance
 
@@ -188,8 +188,8 @@ class MicroBatchLoss:
         pieces = split_by_sizes((args, kwargs), sizes, self.batch_dim)
         count = getattr(module, COUNT, None)
         if count is not None:
-            total = float(count(*args, **kwargs))
-            weights = [float(count(*a, **k)) / total if total else 0.0 for a, k in pieces]
+            total, *counts = host_floats([count(*args, **kwargs), *(count(*a, **k) for a, k in pieces)])
+            weights = [c / total if total else 0.0 for c in counts]
         else:
             weights = [n / sum(sizes) for n in sizes]
         recorder, losses, increments = LogRecorder(module), [], {}  # type: ignore[var-annotated]
@@ -225,7 +225,7 @@ class MicroBatchLoss:
                 )
                 arguments = (args, kwargs)
                 check_split_invariance(module, hook, count, kept, arguments, sum(sizes), self.batch_dim, precise)
-            return {"loss": math.fsum(float(t) for t in losses), "logs": logs, "metrics": increments}
+            return {"loss": math.fsum(host_floats(losses)), "logs": logs, "metrics": increments}
         except Exception as e:  # the other stages wait for this broadcast: they must learn why it failed
             return {"error": f"{type(e).__name__}: {e}"}
 
