@@ -1,4 +1,5 @@
-"""Re-materialization state: autocast captured at forward, replayed at recompute, and the recompute flag."""
+"""Re-materialization state: autocast captured at forward, replayed at recompute, the recompute flag, and the
+first forward of a checkpointed micro-batch, run in the recompute's grad mode with nothing saved."""
 
 from __future__ import annotations
 
@@ -36,6 +37,24 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         _local.recomputing = previous
+
+
+def _drop(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("the forward-phase graph of a checkpointed micro-batch was back-propagated; it is recomputed")
+
+
+@contextlib.contextmanager
+def discarded_graph() -> Iterator[None]:
+    """The forward of a micro-batch that will be recomputed: grad enabled, as in the recompute, and autograd keeps
+    no tensor for a backward (as torch.utils.checkpoint's non-reentrant forward). Under ``no_grad`` a kernel may be
+    chosen otherwise (PyTorch picks an attention backend by whether its inputs require grad), and with it the
+    dropout stream or the rounding: the recompute would then differ from the forward that was sent on."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked):
+        yield
 
 
 @dataclass

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from tests.helpers.launch import run_distributed
 from tests.helpers.models import D
-from tests.helpers.stage_models import TOL, randn, rel_err, six_layers, time_major_backbone
+from tests.helpers.stage_models import TOL, attention_grads, randn, rel_err, six_layers, time_major_backbone
 
 # ----------------------------------------------------------------------------------------------------------- models
 
@@ -260,3 +260,13 @@ def test_stage_indexes_like_its_sequential(healthy: list[dict[str, Any]]) -> Non
     assert r1["attr"].startswith(
         "AttributeError: layer 0 (Linear) is on stage 0; this rank is stage 1 and holds layers 3–5"
     ), r1["attr"]
+
+
+def test_recompute_repeats_the_forward_of_attention_with_dropout() -> None:
+    """Dropout inside attention: the recomputed micro-batches (checkpoint="always") give the gradients of the kept
+    graphs ("never"), bit for bit -- the recompute runs the same kernels and draws the same masks. On a GPU the
+    kernel depends on the grad mode: ``tests/strategy/test_cuda.py`` runs the same check there."""
+    never, always = attention_grads("never", "cpu"), attention_grads("always", "cpu")
+    assert never.keys() == always.keys() and len(never) > 4
+    for name in never:
+        assert torch.equal(never[name], always[name]), name

@@ -44,3 +44,21 @@ def time_major_backbone() -> nn.Sequential:
 def six_layers() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+
+
+def attention_grads(checkpoint: str, device: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Gradients of a K = 1 pipeline of two batch-first attention layers with dropout (0.3, inside
+    scaled_dot_product_attention too), M = 3; equal for every ``checkpoint`` only if each recompute repeats its
+    forward's kernels and dropout masks."""
+    from lightning_gpipe.pipe import GPipeStage
+
+    torch.manual_seed(0)
+    layers = [nn.TransformerEncoderLayer(64, 4, 128, dropout=0.3, batch_first=True) for _ in range(2)]
+    stage = GPipeStage(nn.Sequential(*layers).to(device), chunks=3, checkpoint=checkpoint, device=device)  # type: ignore[arg-type]
+    x = torch.randn(6, 16, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    torch.manual_seed(2)
+    with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32):
+        out = stage(x)
+    out.float().square().mean().backward()
+    stage.backward()
+    return {name: p.grad.detach().float().clone() for name, p in stage.named_parameters() if p.grad is not None}

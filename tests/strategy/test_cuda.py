@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_gpipe.pipe import GPipeStage
 from tests.helpers import models
 from tests.helpers.launch import quiet_trainer
+from tests.helpers.stage_models import attention_grads
 from tests.helpers.tiny_fit import BATCH, TinyPipelined, dataset
 
 # CI has no GPU; these run where one is lent (the project's GPU sessions run them on an H100).
@@ -142,3 +145,71 @@ def test_rematerialization_lowers_the_gpu_memory_peak() -> None:
         torch.cuda.synchronize()
         peaks[checkpoint] = torch.cuda.max_memory_allocated() - base
     assert peaks["always"] < 0.7 * peaks["never"], peaks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recompute_repeats_the_forward_of_attention_with_dropout_on_the_gpu(dtype: torch.dtype) -> None:
+    """The forward phase of a checkpointed micro-batch runs in the recompute's grad mode (``discarded_graph``), so
+    PyTorch picks the same attention kernel both times, and with it the same dropout stream."""
+    never, always = attention_grads("never", "cuda", dtype), attention_grads("always", "cuda", dtype)
+    for name in never:
+        assert torch.equal(never[name], always[name]), name
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_device_syncs_per_step_do_not_grow_with_M(schedule: str) -> None:
+    """The engine's loss-inside step under torch.cuda.set_sync_debug_mode("warn"): as many syncs at M = 8 as at 2."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, models.D, device="cuda"), torch.randn(16, models.D, device="cuda")
+    counts = {}
+    for M in (2, 8):
+        stage = GPipeStage(models.mlp().cuda(), chunks=M, device="cuda")
+        sizes = stage.micro_batch_sizes(x)
+        starts = [sum(sizes[:m]) for m in range(M)]
+
+        def loss(out: torch.Tensor, m: int, starts: list[int] = starts, sizes: list[int] = sizes) -> torch.Tensor:
+            return F.mse_loss(out, y[starts[m] : starts[m] + sizes[m]], reduction="sum") / len(x)
+
+        stage.train_step(x, loss, schedule=schedule)  # warm-up: first-call allocations
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                stage.train_step(x, loss, schedule=schedule)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[M] = sum("synchroniz" in str(w.message) for w in caught)
+    assert counts[2] == counts[8], counts
+
+
+def test_strategy_syncs_per_step_do_not_grow_with_M() -> None:
+    """A GPipeStrategy step with the loss inside and values logged per micro-batch, M = 2 and 6, on one GPU."""
+    from lightning_gpipe.strategy import GPipeStrategy
+    from tests.strategy.test_host_syncs import Logged
+
+    class SyncsPerStep(pl.Callback):
+        def __init__(self) -> None:
+            self.counts: list[int] = []
+            self.caught: Any = None
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.caught = warnings.catch_warnings(record=True)
+            self.records = self.caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            torch.cuda.set_sync_debug_mode("default")
+            self.caught.__exit__(None, None, None)
+            self.counts.append(sum("synchroniz" in str(w.message) for w in self.records))
+
+    counts = {}
+    for M in (2, 6):
+        counter = SyncsPerStep()
+        trainer = quiet_trainer(
+            accelerator="gpu", devices=1, strategy=GPipeStrategy(chunks=M), max_steps=3, callbacks=[counter]
+        )
+        trainer.fit(Logged(), DataLoader(dataset(), batch_size=12))
+        counts[M] = counter.counts[-1]
+    assert counts[2] == counts[6], counts
