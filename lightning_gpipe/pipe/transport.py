@@ -33,6 +33,9 @@ from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.microbatch import differentiable
 
 HEADER_BYTES = 1024
+# How gloo and NCCL word a wait that ran out, and a peer that went away (NCCL's watchdog, ProcessGroupNCCL.cpp).
+_TIMED_OUT = ("imed out", "before timing out")
+_PEER_GONE = ("onnection", "remote process exiting", "communicator was aborted")
 # How long a stage waits for a peer before raising PipelineTimeout, unless told otherwise (torch.distributed's default).
 DEFAULT_TIMEOUT_S = 1800.0
 _LEN = struct.Struct("<q")
@@ -169,7 +172,7 @@ class Transport:
 
     def _lost(self, e: RuntimeError, waited_for: str, peer: int) -> RuntimeError:
         text = str(e)
-        if "imed out" in text:
+        if any(s in text for s in _TIMED_OUT):
             return PipelineTimeout(
                 f"stage {self.stage} waited {self.timeout.total_seconds():.0f} s for {waited_for} and gave up. "
                 f"Stage {peer} probably died, hung, or did not make the same pipeline call: a pipelined module must "
@@ -177,7 +180,7 @@ class Transport:
                 stage=peer,
                 phase="transport",
             )
-        if "onnection" in text:  # "Connection closed by peer", "Connection reset by peer"
+        if any(s in text for s in _PEER_GONE):
             return PipelineTimeout(
                 f"stage {self.stage} lost its connection to stage {peer} while waiting for {waited_for}: the "
                 f"process of stage {peer} probably died (look for its error above, or for an out-of-memory kill), "

@@ -192,3 +192,39 @@ def test_recv_without_sender_times_out() -> None:
     assert "stage 1 waited 2 s for the header of micro-batch 0's input from stage 0" in message
     assert "probably died, hung, or did not make the same pipeline call" in message
     assert 1.5 <= elapsed < 10
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        (
+            "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete",
+            "waited",
+        ),
+        (
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=RECV, NumelIn=4096, "
+            "NumelOut=4096, Timeout(ms)=1800000) ran for 1800023 milliseconds before timing out.",
+            "waited",
+        ),
+        ("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:2345", "lost"),
+        (
+            "NCCL error in: ProcessGroupNCCL.cpp:2051, remote process exited or there was a network error, NCCL "
+            "version 2.27.5\\nncclRemoteError: A call failed possibly due to a network error or a remote process "
+            "exiting prematurely.",
+            "lost",
+        ),
+        ("NCCL communicator was aborted on rank 0.", "lost"),
+        ("CUDA error: an illegal memory access was encountered", None),
+    ],
+)
+def test_gloo_and_nccl_failures_of_a_peer_are_named(text: str, kind: str | None) -> None:
+    """Both backends' words for a wait that ran out and for a peer that is gone become PipelineTimeout, naming the
+    peer; anything else (this rank's own CUDA error) is left as it is."""
+    tr = Transport.__new__(Transport)
+    tr.stage, tr.timeout = 0, timedelta(seconds=60)
+    got = tr._lost(RuntimeError(text), "micro-batch 3's output gradient from stage 1", 1)
+    if kind is None:
+        assert not isinstance(got, PipelineError)
+        return
+    assert isinstance(got, PipelineTimeout) and got.stage == 1, got
+    assert ("waited 60 s for micro-batch 3's" if kind == "waited" else "lost its connection to stage 1") in str(got)
