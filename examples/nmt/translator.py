@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from examples.optim import decay_groups, inverse_sqrt
 from lightning_gpipe.models.decoding import beam_decode, greedy_decode
-from lightning_gpipe.models.transformer import transformer_nmt
+from lightning_gpipe.models.transformer import next_token_logits, transformer_nmt
 
 Batch = dict[str, Tensor]
 
@@ -157,7 +157,7 @@ class Translator(pl.LightningModule):
         hp = self.hparams
         assert self.backbone is not None
         max_new = min(src.shape[1] + hp.max_new_tokens, hp.max_len)
-        with torch.no_grad(), full_output(self.backbone):
+        with torch.no_grad(), full_output(self.backbone), next_token_logits(self.backbone):
             if hp.decoding == "beam":
                 return beam_decode(
                     self.backbone, src, hp.bos_id, hp.eos_id, max_new, hp.pad_id, hp.beam_size, hp.length_penalty

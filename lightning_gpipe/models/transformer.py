@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from torch import Tensor, nn
 __all__ = [
     "DecoderLayer",
     "EncoderLayer",
+    "next_token_logits",
     "transformer_nmt",
     "transformer_nmt_num_parameters",
 ]
@@ -221,10 +224,30 @@ class TargetEmbedding(_Embedding):
 
 
 class DecoderNorm(nn.LayerNorm):
-    """Final LayerNorm of the pre-norm decoder stack; the memory and masks end here."""
+    """Final LayerNorm of the pre-norm decoder stack; the memory and masks end here. Under
+    :func:`next_token_logits` only the last position goes on."""
+
+    last_position_only = False
 
     def forward(self, state: DecoderState) -> Tensor:  # type: ignore[override]
-        return super().forward(state[0])
+        y = state[0][:, -1:] if self.last_position_only else state[0]
+        return super().forward(y)
+
+
+@contextmanager
+def next_token_logits(backbone: nn.Module) -> Iterator[None]:
+    """The backbone returns the logits of the last position only, ``[N, 1, vocab]``: all that decoding a next token
+    needs. Pipelined, that is the output the last stage sends to the others at every token (not ``[N, t, vocab]``);
+    the projection computes one position, not t. Call it on every rank (a rank holding no DecoderNorm is unaffected).
+    """
+    norms = [m for m in backbone.modules() if isinstance(m, DecoderNorm)]
+    for norm in norms:
+        norm.last_position_only = True
+    try:
+        yield
+    finally:
+        for norm in norms:
+            norm.last_position_only = False
 
 
 class Projection(nn.Module):

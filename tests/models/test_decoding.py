@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_gpipe.models import beam_decode, greedy_decode
+from lightning_gpipe.models.transformer import next_token_logits
 from tests.helpers.transformer import BOS, EOS, PAD, V, batch, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -142,3 +143,26 @@ def test_beam_decode_stops_at_eos_and_pads() -> None:
     assert never.calls == 6 and out.tolist() == [[3] * 6, [4, 4, EOS, 7, 7, 7], [5] * 6]
     with pytest.raises(ValueError, match="beam_size"):
         beam_decode(never, src, BOS, EOS, max_len=6, beam_size=0)
+
+
+@pytest.mark.timeout(60)
+def test_next_token_logits_decode_the_same_from_one_position() -> None:
+    """Under next_token_logits the model returns [N, 1, vocab] (what a pipeline's last stage then sends to the
+    others per token), and greedy and beam decoding give the same translations as from the full [N, t, vocab]."""
+    model = tiny(seed=3).eval()
+    src, _, _ = batch(4, 7, 2, seed=4)
+    with torch.no_grad():
+        eos = int(model((src, torch.full((4, 1), BOS)))[0, -1].argmax())
+    shapes = []
+    full = (greedy_decode(model, src, BOS, eos, max_len=8), beam_decode(model, src, BOS, eos, max_len=8))
+
+    def recorded(x: tuple[Tensor, Tensor]) -> Tensor:
+        out = model(x)
+        shapes.append(tuple(out.shape))
+        return out
+
+    with next_token_logits(model):
+        one = (greedy_decode(recorded, src, BOS, eos, max_len=8), beam_decode(recorded, src, BOS, eos, max_len=8))
+    assert torch.equal(full[0], one[0]) and torch.equal(full[1], one[1])
+    assert shapes and all(shape[1] == 1 for shape in shapes), shapes
+    assert model((src, torch.full((4, 3), BOS))).shape[1] == 3  # back to every position afterwards
