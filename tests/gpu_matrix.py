@@ -30,6 +30,10 @@ PER_PROCESS = [
         "output",
         "overlap",
         "data_loading",
+        # what NCCL asks of the transport: 16 MiB boundaries under every schedule, a failing kernel, syncs per step
+        "gpu_transport",
+        "nccl_order_fit",
+        "host_syncs",
         "precision",
         # checkpoints, failures, what a user sees
         "checkpoint",

@@ -138,7 +138,7 @@ class Transport:
         # On NCCL a data wait is a CUDA stream's (work.wait() with a timeout would poll on the host).
         self.stream_waits = "nccl" in str(dist.get_backend(group)).lower()
         self._ordered: dict[str, nccl_order.OrderedP2P] = {}
-        if nccl_order.enabled():
+        if nccl_order.enabled() and not self.stream_waits:  # a model of NCCL, on gloo; NCCL itself needs none
             stall_s = timeout.total_seconds()
             self._ordered["down"] = nccl_order.OrderedP2P(group, "downstream", stall_s)
             up = self._ordered["down"] if self.upstream_group is group else None
