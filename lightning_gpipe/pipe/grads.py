@@ -27,6 +27,10 @@ SMALL_BUCKET_BYTES = 2**20
 
 _Key = tuple[torch.dtype, torch.device]
 
+# Divided by the dp size before the sum, as DDP does: a float16 sum over many replicas can overflow before the
+# division, the mean cannot. float32 and float64 sum first: one rounding fewer (both exact for a power-of-two dp size).
+_DIVIDED_FIRST = (torch.float16, torch.bfloat16)
+
 
 def _trainable(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     # Tied parameters appear once, or their gradient would be packed (and clipped) twice; frozen ones never get grads.
@@ -59,7 +63,9 @@ def used_somewhere(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> 
 
     As with DDP, a gradient that is None on every rank stays None, so optimizers skip the parameter (no momentum or
     weight decay from a made-up zero): a parameter frozen mid-run or one this step never used. Every rank of the
-    group passes the same parameters in the same order.
+    group passes the same parameters in the same order. Whether a gradient is None is known on the host: on a gloo
+    group the flags never leave the CPU, where on NCCL reading the result back would wait for all the GPU work
+    queued before it (the whole backward), so the reductions pass a gloo ``vote_group`` over the same ranks.
     """
     if not params:
         return []
@@ -67,6 +73,17 @@ def used_somewhere(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> 
     flags = flags.to(_collective_device(group))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return [p for p, used in zip(params, flags.tolist()) if used]
+
+
+def _vote_group(group: dist.ProcessGroup | None, vote_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group that votes on the gradients reduced over ``group``: ``vote_group`` (checked to hold the same ranks in
+    the same order), or ``group`` itself."""
+    if vote_group is None or vote_group is group or group is None:
+        return group
+    got, want = dist.get_process_group_ranks(vote_group), dist.get_process_group_ranks(group)
+    if got != want:
+        raise ValueError(f"vote_group must hold the ranks of the group it votes for, {want}, in order; got {got}")
+    return vote_group
 
 
 def _ensure_grad(p: nn.Parameter) -> torch.Tensor:
@@ -102,18 +119,23 @@ def _unpack(params: Sequence[nn.Parameter], buffer: torch.Tensor) -> None:
         offset += n
 
 
-def sum_over_pipeline(params: Sequence[nn.Parameter], pp_group: dist.ProcessGroup | None) -> None:
+def sum_over_pipeline(
+    params: Sequence[nn.Parameter], pp_group: dist.ProcessGroup | None, vote_group: dist.ProcessGroup | None = None
+) -> None:
     """SUM the gradients of replicated ``params`` over ``pp_group``, one fused all-reduce per dtype and device.
 
     Every stage passes the same replicated parameters in the same order. A None grad counts as zeros (and is a tensor
-    afterwards) where another stage has one; a grad that is None on every stage stays None. No-op if ``pp_group`` is
-    None or has size 1.
+    afterwards) where another stage has one; a grad that is None on every stage stays None: the stages agree on
+    which over ``vote_group`` (a gloo group over the same ranks where ``pp_group`` is NCCL; default ``pp_group``),
+    then sum over ``pp_group``. No-op if ``pp_group`` is None or has size 1.
     """
     if _group_size(pp_group) == 1:
         return
     assert pp_group is not None
+    votes = _vote_group(pp_group, vote_group)
+    assert votes is not None
     pending = []
-    for (dtype, device), group in _by_dtype_device(used_somewhere(_unique(params), pp_group)).items():
+    for (dtype, device), group in _by_dtype_device(used_somewhere(_unique(params), votes)).items():
         buffer = torch.empty(sum(p.numel() for p in group), dtype=dtype, device=device)
         _pack(group, buffer)
         pending.append((group, buffer, dist.all_reduce(buffer, group=pp_group, async_op=True)))
@@ -129,17 +151,36 @@ def launch_sum(buffer: torch.Tensor, dp_group: dist.ProcessGroup | None, hierarc
     return dist.all_reduce(buffer, group=dp_group, async_op=True)
 
 
+def launch_bucket(
+    bucket: Sequence[nn.Parameter],
+    buffer: torch.Tensor,
+    world: int,
+    dp_group: dist.ProcessGroup | None,
+    hierarchy: Hierarchy | None,
+) -> Any:
+    """Pack ``bucket``'s gradients into ``buffer`` and start their sum over the ``world`` dp replicas, each share
+    divided first in float16 and bfloat16 (then :meth:`PendingReduction.wait` does not divide): the only division,
+    whether the sum is flat or in ``hierarchy``'s steps, which only add."""
+    _pack(bucket, buffer)
+    if buffer.dtype in _DIVIDED_FIRST:
+        buffer.div_(world)
+    return launch_sum(buffer, dp_group, hierarchy)
+
+
 class BucketedAllReduce:
     """Averages gradients over the dp group in fused buckets (DDP's 25 MiB default; the Jizhi paper's tensor fusion
     threshold θ).
 
     Gradients are packed into flat buffers of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own),
     grouped by dtype and device; each bucket is one asynchronous all-reduce(SUM), so the communication of one bucket
-    overlaps the packing of the next, then divided by the dp size and unpacked. As DDP does, only parameters with a
-    gradient on some replica take part (see :func:`used_somewhere`): one that has none here gets a zero grad, one
-    that has none anywhere (frozen, even mid-run, or unused this step) keeps None. The flat buffers are allocated on
-    the first call and reused; the plan is rebuilt when the set of parameters taking part, or a dtype or device,
-    changes. Every replica must pass the same parameters in the same order.
+    overlaps the packing of the next, then divided by the dp size and unpacked (float16 and bfloat16 buckets are
+    divided before the sum instead, as DDP does, so that the sum cannot overflow). As DDP does, only parameters with
+    a gradient on some replica take part (see :func:`used_somewhere`): one that has none here gets a zero grad, one
+    that has none anywhere (frozen, even mid-run, or unused this step) keeps None. The replicas agree on which over
+    ``vote_group``, a gloo group over the ranks of ``dp_group`` where that one is NCCL, so that the host never waits
+    for the GPU (default ``dp_group``). The flat buffers are allocated on the first call and reused; the plan is
+    rebuilt when the set of parameters taking part, or a dtype or device, changes. Every replica must pass the same
+    parameters in the same order: then each group sees the same collectives in the same order on every replica.
     """
 
     def __init__(
@@ -149,12 +190,14 @@ class BucketedAllReduce:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         hierarchy: Hierarchy | None = None,
         tail_bytes: int | None = None,
+        vote_group: dist.ProcessGroup | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         # Not filtered by requires_grad: a parameter unfrozen after setup must still be averaged.
         self.params = _unique(params)
         self.dp_group, self.hierarchy = dp_group, hierarchy
+        self.vote_group = _vote_group(dp_group, vote_group)
         self.bucket_bytes, self.tail_bytes = bucket_bytes, tail_bytes
         self._plan_keys: list[tuple[int, torch.dtype, torch.device]] = []
         self.buckets: list[list[nn.Parameter]] = []
@@ -193,15 +236,14 @@ class BucketedAllReduce:
         world = _group_size(self.dp_group)
         if world == 1:
             return PendingReduction(world, [])
-        assert self.dp_group is not None
-        active = used_somewhere(self.params, self.dp_group)
+        assert self.vote_group is not None
+        active = used_somewhere(self.params, self.vote_group)
         if [(id(p), p.dtype, p.device) for p in active] != self._plan_keys:
             self._plan(active)
         pending = []
         for i, bucket in enumerate(self.buckets):
             buffer = self._buffer(i)
-            _pack(bucket, buffer)
-            pending.append((bucket, buffer, launch_sum(buffer, self.dp_group, self.hierarchy)))
+            pending.append((bucket, buffer, launch_bucket(bucket, buffer, world, self.dp_group, self.hierarchy)))
         return PendingReduction(world, pending)
 
 
@@ -223,18 +265,21 @@ def _fill(params: list[nn.Parameter], cap: int) -> list[list[nn.Parameter]]:
 
 
 class PendingReduction:
-    """The launched all-reduces of :meth:`BucketedAllReduce.start`, finished by :meth:`wait`."""
+    """The launched all-reduces of :meth:`BucketedAllReduce.start` (each from :func:`launch_bucket`), finished by
+    :meth:`wait`."""
 
     def __init__(self, world: int, pending: list[tuple[list[nn.Parameter], torch.Tensor, Any]]) -> None:
         self.world, self.pending = world, pending
 
     def wait(self) -> None:
-        """Wait for each bucket's sum, divide it by the dp size and copy it back into the gradients (once)."""
+        """Wait for each bucket's sum, divide it by the dp size (unless :func:`launch_bucket` divided the shares) and
+        copy it back into the gradients (once)."""
         pending, self.pending = self.pending, []
         for bucket, buffer, work in pending:
             work.wait()
-            # Gloo has no AVG, so divide after the sum (exact for power-of-two dp sizes).
-            buffer.div_(self.world)
+            if buffer.dtype not in _DIVIDED_FIRST:
+                # Gloo has no AVG, so divide after the sum (exact for power-of-two dp sizes).
+                buffer.div_(self.world)
             _unpack(bucket, buffer)
 
 
@@ -246,9 +291,10 @@ class OverlappedReduction:
     ``params`` are the rank's parameters, ``copied`` those of them with a copy on another stage (replicated outside
     the backbone, tied across stages). The two sets are planned apart (each as :class:`BucketedAllReduce`), each in
     the order of ``params``, so that every replica of a stage launches the same collectives in the same order: the
-    own flags and buckets, the caller's pipeline sums, the copied flags and buckets. Each element's mean is the same
-    as one reduction of all ``params`` gives: the same values summed over the same replicas (bit for bit with two
-    replicas, where a sum has one order; with more, a backend may sum an element in an order that depends on its
+    own flags (over ``vote_group``) and buckets, the caller's pipeline sums, the copied flags and buckets; each group
+    (``vote_group``, ``dp_group``, the pipeline's) sees one sequence on all of its ranks. Each element's mean is the
+    same as one reduction of all ``params`` gives: the same values summed over the same replicas (bit for bit with
+    two replicas, where a sum has one order; with more, a backend may sum an element in an order that depends on its
     place in the bucket).
     """
 
@@ -259,12 +305,14 @@ class OverlappedReduction:
         dp_group: dist.ProcessGroup | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         hierarchy: Hierarchy | None = None,
+        vote_group: dist.ProcessGroup | None = None,
     ) -> None:
         copied_ids = {id(p) for p in copied}
         params = _unique(params)
         own = [p for p in params if id(p) not in copied_ids]
-        self.own = BucketedAllReduce(own, dp_group, bucket_bytes, hierarchy)
-        self.copied = BucketedAllReduce([p for p in params if id(p) in copied_ids], dp_group, bucket_bytes, hierarchy)
+        copied = [p for p in params if id(p) in copied_ids]
+        self.own = BucketedAllReduce(own, dp_group, bucket_bytes, hierarchy, vote_group=vote_group)
+        self.copied = BucketedAllReduce(copied, dp_group, bucket_bytes, hierarchy, vote_group=vote_group)
 
     @property
     def num_buckets(self) -> int:

@@ -13,8 +13,8 @@ from lightning_gpipe.pipe.grads import (
     BucketedAllReduce,
     PendingReduction,
     _group_size,
-    _pack,
-    launch_sum,
+    _vote_group,
+    launch_bucket,
     used_somewhere,
 )
 from lightning_gpipe.pipe.hierarchy import Hierarchy
@@ -30,7 +30,9 @@ class ReadyBuckets:
     all of its gradients are in and those before it left, so every replica issues the same collectives in the same
     order. :meth:`launch_rest` then (after the op) launches what is left, and the parameters whose first gradient
     came in that op (another small agreement, always made); ``wait()`` on its result finishes the mean. Each
-    element is the same sum over the same replicas as :class:`BucketedAllReduce` makes.
+    element is the same sum over the same replicas as :class:`BucketedAllReduce` makes, divided as it divides
+    (float16 and bfloat16 before the sum). The agreements run over ``vote_group`` (see :class:`BucketedAllReduce`):
+    in :meth:`arm` on a gloo one the host goes on queueing the last op's backward without waiting for the GPU.
     """
 
     def __init__(
@@ -40,9 +42,11 @@ class ReadyBuckets:
         bucket_bytes: int,
         hierarchy: Hierarchy | None = None,
         tail_bytes: int | None = SMALL_BUCKET_BYTES,
+        vote_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp_group, self.bucket_bytes, self.hierarchy = dp_group, bucket_bytes, hierarchy
+        self.vote_group = _vote_group(dp_group, vote_group)
         self.tail_bytes = tail_bytes
         self._reduce: BucketedAllReduce | None = None
         self._planned: set[int] = set()
@@ -55,15 +59,20 @@ class ReadyBuckets:
         """Before the stage's last backward op (collective over the replicas)."""
         if _group_size(self.dp_group) == 1:
             return
-        assert self.dp_group is not None
-        active = used_somewhere(self.params, self.dp_group)
+        assert self.vote_group is not None
+        active = used_somewhere(self.params, self.vote_group)
         reduce = self._reduce
         if reduce is None or [id(p) for p in reduce.params] != [id(p) for p in reversed(active)]:
             # The last bucket's gradients are final only as the op ends, so all of it is reduced after: it is cut
             # into small buckets, which leave one by one as the stage's first layers finish (DDP makes its first
             # bucket small for the mirror reason: to start early).
             reduce = self._reduce = BucketedAllReduce(
-                list(reversed(active)), self.dp_group, self.bucket_bytes, self.hierarchy, self.tail_bytes
+                list(reversed(active)),
+                self.dp_group,
+                self.bucket_bytes,
+                self.hierarchy,
+                self.tail_bytes,
+                self.vote_group,
             )
         self._planned = {id(p) for p in active}
         self._missing = [len(b) for b in reduce.buckets]
@@ -81,13 +90,13 @@ class ReadyBuckets:
     def _launch_ready(self, all_left: bool = False) -> None:
         reduce = self._reduce
         assert reduce is not None
+        world = _group_size(self.dp_group)
         while len(self._launched) < len(reduce.buckets):
             i = len(self._launched)
             if self._missing[i] > 0 and not all_left:
                 return
             bucket, buffer = reduce.buckets[i], reduce._buffer(i)
-            _pack(bucket, buffer)
-            self._launched.append((bucket, buffer, launch_sum(buffer, self.dp_group, self.hierarchy)))
+            self._launched.append((bucket, buffer, launch_bucket(bucket, buffer, world, self.dp_group, self.hierarchy)))
 
     def launch_rest(self) -> PendingReduction:
         """After the last backward op: the buckets not launched yet, then the late parameters' own reduction."""
@@ -101,6 +110,8 @@ class ReadyBuckets:
         pending = PendingReduction(world, self._launched)
         late = [p for p in self.params if id(p) not in self._planned]
         if late:  # every replica passes the same list: the agreement inside start() finds which have gradients
-            late_pending = BucketedAllReduce(late, self.dp_group, self.bucket_bytes, self.hierarchy).start()
+            late_pending = BucketedAllReduce(
+                late, self.dp_group, self.bucket_bytes, self.hierarchy, vote_group=self.vote_group
+            ).start()
             pending.pending.extend(late_pending.pending)
         return pending

@@ -34,7 +34,9 @@ class PipelineMesh:
     """Global rank ``rank = d·K + k`` is stage ``k`` of data-parallel replica ``d``.
 
     ``pp_group`` holds the K stages of this rank's pipeline, ``dp_group`` the replicas of this rank's stage, and
-    ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU.
+    ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU (and
+    the stages vote there on which copied gradients to sum). ``dp_cpu_group``: the same ranks as ``dp_group`` over
+    gloo, where the replicas vote on which gradients to average: a host-side fact, read without waiting for the GPU.
     ``upstream_group``: the same ranks again, for the tensors that flow to lower stages, where one group would run
     both directions in one order (NCCL: see ``pipe.transport``), else ``pp_group``.
     ``timeout_s``: how long a rank waits for another, the process groups' timeout. ``dp_hierarchy``: this rank's
@@ -48,6 +50,7 @@ class PipelineMesh:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     header_group: dist.ProcessGroup
+    dp_cpu_group: dist.ProcessGroup
     upstream_group: dist.ProcessGroup
     timeout_s: float
     dp_hierarchy: Hierarchy | None = None
@@ -74,6 +77,7 @@ class PipelineMesh:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         pp_group, dp_group = mesh["pipeline_parallel"].get_group(), mesh["data_parallel"].get_group()
         header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _pipeline_groups(world_size, K, rank)
+        dp_cpu_group = dp_group if dist.get_backend(dp_group) == "gloo" else _replica_groups(world_size, K, rank)
         upstream = pp_group
         if runs_in_order(pp_group):
             upstream = _pipeline_groups(world_size, K, rank, backend=str(dist.get_backend(pp_group)))
@@ -89,7 +93,9 @@ class PipelineMesh:
                     "among one rank per node, then back (dp_reduction='hierarchical')"
                 )
         timeout_s = (timeout or default_pg_timeout).total_seconds()
-        return cls(K, rank, mesh, pp_group, dp_group, header_group, upstream, timeout_s, hierarchy, inputs)
+        return cls(
+            K, rank, mesh, pp_group, dp_group, header_group, dp_cpu_group, upstream, timeout_s, hierarchy, inputs
+        )
 
 
 def hierarchical(dp_reduction: DpReduction, world_size: int, K: int, per_node: int) -> bool:
@@ -106,6 +112,17 @@ def _pipeline_groups(world_size: int, K: int, rank: int, backend: str = "gloo") 
     for start in range(0, world_size, K):  # new_group is collective over the world: all create all
         group = dist.new_group(list(range(start, start + K)), backend=backend)
         if start <= rank < start + K and isinstance(group, dist.ProcessGroup):
+            mine = group
+    assert mine is not None
+    return mine
+
+
+def _replica_groups(world_size: int, K: int, rank: int, backend: str = "gloo") -> dist.ProcessGroup:
+    """A new group per stage over its data-parallel replicas (the ranks of the mesh's dp groups); this rank's."""
+    mine = None
+    for k in range(K):  # new_group is collective over the world: all create all
+        group = dist.new_group(list(range(k, world_size, K)), backend=backend)
+        if rank % K == k and isinstance(group, dist.ProcessGroup):
             mine = group
     assert mine is not None
     return mine

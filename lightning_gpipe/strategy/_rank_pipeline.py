@@ -152,14 +152,16 @@ class RankPipeline:
         pointed at the pipeline's groups."""
         mesh = self.mesh
         if self.copies is None:
-            self.copies = WeightCopies(module, self.stage, mesh.K, mesh.rank, mesh.pp_group, mesh.dp_group)
+            self.copies = WeightCopies(
+                module, self.stage, mesh.K, mesh.rank, mesh.pp_group, mesh.dp_group, mesh.header_group
+            )
             self.copies.broadcast_initial_state()
         sync_metrics_over(module, mesh.dp_group)
         # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere.
         params, copied = list(module.parameters()), self.copies.copied
-        hierarchy = mesh.dp_hierarchy
-        self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes, hierarchy)
-        self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes, hierarchy)
+        hierarchy, votes = mesh.dp_hierarchy, mesh.dp_cpu_group  # the votes on gloo: no wait for the GPU per step
+        self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes, hierarchy, votes)
+        self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes, hierarchy, vote_group=votes)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
 
     def backward(

@@ -26,28 +26,46 @@ class WeightCopies:
       does a weight that a module outside shares with a backbone layer (an input embedding tied to the backbone's
       output projection): its gradient is the sum over every stage, as for any replicated parameter;
     - a weight tied between layers of different stages (an input embedding and output projection) has a copy on
-      each stage that uses it: one process group per such set of stages, per replica.
+      each stage that uses it: one process group per such set of stages, per replica (and its gloo twin, for the
+      vote on which gradients to sum, where the world's backend is not gloo).
 
-    Built collectively (``new_group`` must be called by every rank in the same order).
+    The sums' votes run over gloo groups (``header_group``, the same ranks as ``pp_group``; default ``pp_group``),
+    so that the host never waits for the GPU to read them (see ``pipe.grads.used_somewhere``). Built collectively
+    (``new_group`` must be called by every rank in the same order).
     """
 
-    def __init__(self, module: nn.Module, stage: GPipeStage, K: int, rank: int, pp_group: Any, dp_group: Any) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: GPipeStage,
+        K: int,
+        rank: int,
+        pp_group: Any,
+        dp_group: Any,
+        header_group: Any = None,
+    ) -> None:
         self.module, self.stage = module, stage
         self.pp_group, self.dp_group = pp_group, dp_group
+        self.header_group = header_group if header_group is not None else pp_group
         self.replicated = outside_parameters(module, stage)
         replicated = {id(p) for p in self.replicated}
         self.tied: list[tuple[Any, list[nn.Parameter]]] = []
+        self._tie_votes: list[Any] = []  # per entry of ``tied``: the gloo group over its ranks
         self._not_first_holder: set[int] = set()
         sets = list(dict.fromkeys(stages for _, stages, _ in stage.shared))
         world = dist.get_world_size() if dist.is_initialized() else 1
+        # A tie group has the world's backend: where that is not gloo, a twin over the same ranks takes the votes.
+        twins = bool(sets) and dist.is_initialized() and dist.get_backend() != "gloo"
         for stages in sets:
             # A tied weight also used outside the backbone is summed over every stage already.
             params = [p for _, s, p in stage.shared if s == stages and p is not None and id(p) not in replicated]
             for d in range(world // K):
                 ranks = [d * K + s for s in stages]
                 group = dist.new_group(ranks)
+                votes = dist.new_group(ranks, backend="gloo") if twins else group
                 if rank in ranks:
                     self.tied.append((group, params))
+                    self._tie_votes.append(votes)
             if stage.index in stages and stage.index != stages[0]:
                 self._not_first_holder.update(id(p) for p in params)
 
@@ -68,9 +86,9 @@ class WeightCopies:
 
     def sum_gradients(self) -> None:
         """Each copy's gradient becomes the sum over the stages holding a copy: the gradient of the one weight."""
-        sum_over_pipeline(self.replicated, self.pp_group)
-        for group, params in self.tied:
-            sum_over_pipeline(params, group)
+        sum_over_pipeline(self.replicated, self.pp_group, self.header_group)
+        for (group, params), votes in zip(self.tied, self._tie_votes):
+            sum_over_pipeline(params, group, votes)
 
     def split_for_norm(self, params: Sequence[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(counted, not counted) in this stage's share of the global gradient norm: each weight counts once."""

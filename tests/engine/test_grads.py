@@ -426,3 +426,103 @@ def test_drained_runs_before_the_status_check_waits_for_the_slowest_stage() -> N
         # The last stage's gradients are complete long before stage 0's drain ends; its backward() returns only after.
         assert last["drained"][step] < first["drained"][step] - SLOW_S / 2 * 1e9
         assert last["returned"][step] >= first["drained"][step]
+
+
+# ---------------------------------------------------------------- the vote on which grads exist, on a CPU group
+
+
+def _vote_check(rank: int, world_size: int) -> list[tuple[str, str, str]]:
+    """Reductions over groups that claim NCCL, with gloo vote groups over the same ranks: every flag stays on the CPU
+    and goes to a vote group, every gradient bucket to the reduction's group; the means are those of the default."""
+    from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
+
+    dp, votes, pp, pp_votes = (dist.new_group([0, 1]) for _ in range(4))  # collective: all create all, in order
+    solo = [dist.new_group([r]) for r in range(world_size)]
+    labels = {id(dp): "dp", id(votes): "votes", id(pp): "pp", id(pp_votes): "pp votes"}
+    specs = [((3, 4), F32), ((7,), BF16), ((16,), F32), ((5,), F32)]
+
+    def fresh() -> list[nn.Parameter]:
+        params = params_like(specs)
+        _assign(params, list(random_grads(specs, seed=rank)))
+        if rank == 1:
+            params[1].grad = None  # a vote that matters: zeros here, the other replica's gradient there
+        return params
+
+    want = fresh()
+    BucketedAllReduce(want, dp, bucket_bytes=64)()
+    with pytest.raises(ValueError, match="vote_group"):
+        BucketedAllReduce(want, dp, vote_group=solo[rank])
+
+    log: list[tuple[str, str, str]] = []
+    launch, backend = dist.all_reduce, dist.get_backend
+
+    def logged(tensor: torch.Tensor, *args: object, group: object = None, **kwargs: object) -> object:
+        log.append((labels.get(id(group), "other"), str(tensor.dtype), tensor.device.type))
+        return launch(tensor, *args, group=group, **kwargs)
+
+    def claimed(group: object = None) -> object:
+        # A flag tensor made for these groups would go to CUDA (none here: it would fail, and the log would show it).
+        return "nccl" if group is dp or group is pp else backend(group)  # type: ignore[arg-type]
+
+    dist.all_reduce, dist.get_backend = logged, claimed  # type: ignore[assignment]
+    try:
+        results = []
+        params = fresh()
+        BucketedAllReduce(params, dp, bucket_bytes=64, vote_group=votes)()
+        results.append(params)
+        params = fresh()
+        reduction = OverlappedReduction(params, params[2:3], dp, 64, vote_group=votes)
+        reduction(lambda: sum_over_pipeline(params[2:3], pp, pp_votes))
+        results.append(params)
+        params = fresh()
+        late = params[3].grad
+        params[3].grad = None  # no gradient yet when armed: the late parameters' own vote
+        ready = ReadyBuckets(params, dp, 64, vote_group=votes)
+        ready.arm()
+        params[3].grad = late
+        ready.launch_rest().wait()
+        results.append(params)
+    finally:
+        dist.all_reduce, dist.get_backend = launch, backend
+    for i, got in enumerate(results):
+        for j, (g, w) in enumerate(zip(got, want)):
+            if i == 1 and j == 2:  # summed over the pipeline (here the same two ranks) first, then averaged
+                assert w.grad is not None and torch.equal(g.grad, w.grad * 2), (i, j)
+            else:
+                assert g.grad is not None and w.grad is not None and torch.equal(g.grad, w.grad), (i, j)
+    return log
+
+
+@pytest.mark.timeout(60)
+def test_the_vote_runs_on_the_vote_group_and_stays_on_the_cpu() -> None:
+    logs = run_distributed(_vote_check, 2, timeout=45)
+    assert logs[0] == logs[1], "every rank issues the same collectives in the same order"
+    flags = [entry for entry in logs[0] if entry[1] == "torch.int32"]
+    buckets = [entry for entry in logs[0] if entry[1] != "torch.int32"]
+    # Bucketed: 1 vote; overlapped: own, pipeline, copied; ready: armed, late.
+    assert [group for group, _, _ in flags] == ["votes", "votes", "pp votes", "votes", "votes", "votes"], logs[0]
+    assert all(device == "cpu" for _, _, device in flags), logs[0]
+    assert {group for group, _, _ in buckets} == {"dp", "pp"}, logs[0]
+
+
+def _replica_groups_check(rank: int, world_size: int) -> list[list[int]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_gpipe.strategy._mesh import _replica_groups
+
+    out = []
+    for K in (1, 2, 4):
+        dp = init_device_mesh("cpu", (world_size // K, K), mesh_dim_names=("dp", "pp"))["dp"].get_group()
+        twin = _replica_groups(world_size, K, rank)
+        assert dist.get_backend(twin) == "gloo"
+        assert dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(dp), K
+        BucketedAllReduce([], dp, vote_group=twin)  # accepted as the dp group's vote group
+        out.append(dist.get_process_group_ranks(twin))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_mesh_gloo_twin_of_the_dp_group_holds_its_ranks() -> None:
+    """Where the dp group is NCCL, GPipeStrategy votes over this gloo twin (made on every rank, in one order)."""
+    got = run_distributed(_replica_groups_check, 4, timeout=45)
+    assert got[1] == [[0, 1, 2, 3], [1, 3], [1]]
