@@ -49,12 +49,19 @@ def _never_unpacked(packed: None) -> torch.Tensor:
 
 @contextlib.contextmanager
 def discarded_graph() -> Iterator[None]:
-    """The forward of a micro-batch that will be recomputed: grad enabled, as in the recompute, and autograd keeps
-    no tensor for a backward (as torch.utils.checkpoint's non-reentrant forward). Under ``no_grad`` a kernel may be
-    chosen otherwise (PyTorch picks an attention backend by whether its inputs require grad), and with it the
-    dropout stream or the rounding: the recompute would then differ from the forward that was sent on."""
+    """Grad enabled, as in the recompute, but autograd keeps no tensor for a backward (as torch.utils.checkpoint's
+    non-reentrant forward does)."""
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked):
         yield
+
+
+def first_forward(device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward phase of a micro-batch that will be recomputed. On an accelerator PyTorch may choose a kernel by
+    whether the inputs require grad (an attention backend, and with it the dropout stream and the rounding), so the
+    forward runs in the recompute's grad mode with nothing saved (:func:`discarded_graph`): the recompute then repeats
+    it. On the CPU the choice does not depend on it and the graph would cost 1–4 % of a step (``benchmarks/
+    README.md``): ``no_grad``."""
+    return torch.no_grad() if device.type == "cpu" else discarded_graph()
 
 
 @dataclass

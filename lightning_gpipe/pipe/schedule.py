@@ -10,8 +10,8 @@ recompute, B m = its backward, L = the user's loss; time runs to the right, one 
 
 Forward phase: stage k receives micro-batch m from stage k-1 (stage 0 splits the input), runs its layers and sends
 the result to stage k+1 at once, without waiting for it to be received. A checkpointed micro-batch keeps only its
-input (the stage boundary): it runs in the recompute's grad mode, but autograd keeps none of its tensors
-(``rematerialize.discarded_graph``); the others keep their graph.
+input (the stage boundary): on an accelerator it runs in the recompute's grad mode with nothing saved, so that both
+choose the same kernels, on the CPU without autograd (``rematerialize.first_forward``); the others keep their graph.
 
 Backward phase, in reverse order: stage k first posts the receive for m's output gradient, then re-runs ("R")
 micro-batch m from its saved input -- before the gradient arrives, so recomputation fills time that would otherwise
@@ -53,7 +53,7 @@ from lightning_gpipe.pipe.microbatch import (
 )
 from lightning_gpipe.pipe.outputs import join_outputs, output_grads, share_output
 from lightning_gpipe.pipe.records import MicroBatch, OutputMode, Step
-from lightning_gpipe.pipe.rematerialize import ForwardState, discarded_graph, recomputing
+from lightning_gpipe.pipe.rematerialize import ForwardState, first_forward, recomputing
 from lightning_gpipe.pipe.rng import draw_step_seed, mix, restored_streams
 from lightning_gpipe.pipe.trace import Timeline
 
@@ -200,7 +200,7 @@ class Schedule:
         stateful = self.stateful_buffers
         state = ForwardState.capture([self.device]) if ckpt else None
         buffers, before = stateful.snapshot() if ckpt else None, stateful.mark()
-        graph = discarded_graph() if ckpt else torch.enable_grad()
+        graph = first_forward(self.device) if ckpt else torch.enable_grad()
         with self.timeline.record("forward", m), deferred_statistics(), graph:
             y = self.run(x, mix(step.seed, m))
         stateful.learn(before)
