@@ -270,3 +270,21 @@ def test_recompute_repeats_the_forward_of_attention_with_dropout() -> None:
     assert never.keys() == always.keys() and len(never) > 4
     for name in never:
         assert torch.equal(never[name], always[name]), name
+
+
+def test_the_accelerators_first_forward_keeps_nothing_and_repeats_on_the_cpu_too(monkeypatch: Any) -> None:
+    """What GPUs run for a checkpointed forward (grad enabled, nothing saved), forced on the CPU: the same gradients
+    as the kept graphs, and the graph it builds holds no tensor, so back-propagating it fails loudly."""
+    import lightning_gpipe.pipe.schedule as schedule_module
+    from lightning_gpipe.pipe.rematerialize import discarded_graph
+
+    monkeypatch.setattr(schedule_module, "first_forward", lambda device: discarded_graph())
+    never, always = attention_grads("never", "cpu"), attention_grads("always", "cpu")
+    for name in never:
+        assert torch.equal(never[name], always[name]), name
+    w = torch.randn(3, 3, requires_grad=True)
+    with discarded_graph():
+        y = (torch.randn(2, 3) @ w).tanh()
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match="is recomputed"):
+        y.sum().backward()
