@@ -1,10 +1,11 @@
 """Randomness that does not depend on the layout: each layer draws from a seed of (step, micro-batch, its name).
 
 Without this, stage k's dropout draws from stage k's own stream, so the masks -- and the run -- change with K.
-Every stage draws one step seed per phase from its global generator (all stages consume the same amount, so the
-code outside the pipeline keeps seeing the same random stream on every stage); stage 0's is the one used, sent
-with each micro-batch. Before layer ``name`` runs micro-batch m, the generators of the CPU and of the stage's device
-are seeded with ``mix(mix(step seed, m), crc32(name))``; a phase restores the global streams when it ends.
+Every stage takes one step seed per phase from :class:`StepSeeds`, the pipeline's own stream, which never draws from
+the user's generators: the code outside the pipeline sees the random stream that a run without a pipeline (DDP)
+sees. Stage 0's seed is the one used, sent with each micro-batch. Before layer ``name`` runs micro-batch m, the
+generators of the CPU and of the stage's device are seeded with ``mix(mix(step seed, m), crc32(name))``; a phase
+restores the global streams when it ends.
 """
 
 from __future__ import annotations
@@ -30,9 +31,24 @@ def name_key(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def draw_step_seed() -> int:
-    """One draw from the global CPU generator (every stage makes it, so their streams stay alike)."""
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+class StepSeeds:
+    """The pipeline's stream of step seeds: the n-th is ``mix(initial seed, n)``, with the initial seed of the global
+    CPU generator (``torch.initial_seed()``, read without drawing). Stages seeded alike (``seed_everything``, or
+    torch's default) draw alike; ``torch.manual_seed`` restarts the stream, as it restarts the user's."""
+
+    def __init__(self) -> None:
+        self._initial: int | None = None
+        self._n = 0
+
+    def draw(self) -> int:
+        initial = torch.initial_seed()
+        if initial != self._initial:
+            self._initial, self._n = initial, 0
+        self._n += 1
+        return mix(mix(initial, _STREAM), self._n)
+
+
+_STREAM = 0x5EED  # keeps the step seeds apart from the layers' own mix(seed, ·) keys
 
 
 def _cuda_generators(device: torch.device) -> list[int]:

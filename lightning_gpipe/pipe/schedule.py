@@ -54,7 +54,7 @@ from lightning_gpipe.pipe.microbatch import (
 from lightning_gpipe.pipe.outputs import join_outputs, output_grads, share_output
 from lightning_gpipe.pipe.records import MicroBatch, OutputMode, Step
 from lightning_gpipe.pipe.rematerialize import ForwardState, first_forward, recomputing
-from lightning_gpipe.pipe.rng import draw_step_seed, mix, restored_streams
+from lightning_gpipe.pipe.rng import StepSeeds, mix, restored_streams
 from lightning_gpipe.pipe.trace import Timeline
 
 Checkpoint = Literal["always", "except_last", "never"]
@@ -135,6 +135,7 @@ class Schedule:
         self.timeline = timeline
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
+        self.seeds = StepSeeds()
 
     def peers(self) -> Links:
         assert self.links is not None, "a stage with a neighbour has links"
@@ -142,7 +143,7 @@ class Schedule:
 
     def forward(self, input: Any, chunks: int, output_mode: OutputMode) -> tuple[Step, Any]:
         """The forward phase: every micro-batch through this stage, in order; returns the step and the output."""
-        seed = draw_step_seed()  # outside the restored streams: the next step draws the next seed
+        seed = self.seeds.draw()
         batch_dim = self.batch_dim
         with self.failures.phase("forward", output_mode) as where, restored_streams(self.device):
             sizes = plan_sizes(input, chunks, batch_dim) if self.is_first else []
@@ -255,7 +256,7 @@ class Schedule:
 
     def evaluate(self, input: Any, chunks: int, output_mode: OutputMode) -> Any:
         """A forward-only pipeline (no grad): nothing is kept for a backward phase."""
-        seed = draw_step_seed()
+        seed = self.seeds.draw()
         batch_dim = self.batch_dim
         with (
             self.failures.phase("evaluation", output_mode) as where,

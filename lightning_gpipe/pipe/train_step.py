@@ -31,7 +31,7 @@ import torch
 from lightning_gpipe.pipe.batchnorm import check_replicas_run_the_same_m, commit_deferred_batch_norm
 from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_leaves
 from lightning_gpipe.pipe.records import Step
-from lightning_gpipe.pipe.rng import draw_step_seed, restored_streams
+from lightning_gpipe.pipe.rng import restored_streams
 from lightning_gpipe.pipe.schedule import Checkpoint, Pairs, Schedule
 
 ScheduleName = Literal["gpipe", "1f1b"]
@@ -93,7 +93,7 @@ def train_step(
     ``drained`` runs once this stage's gradients are complete, before the check that every stage finished;
     ``before_last_backward`` right before this stage's last backward op (after which its gradients are final).
     """
-    seed = draw_step_seed()  # outside the restored streams: the next step draws the next seed
+    seed = s.seeds.draw()
     losses: list[torch.Tensor] = []
     with s.failures.phase("train", "last") as where, restored_streams(s.device):
         sizes = plan_sizes(input, chunks, s.batch_dim) if s.is_first else []

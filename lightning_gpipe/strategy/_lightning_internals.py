@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
     _init_dist_connection,
     _set_num_threads_if_needed,
     _sync_ddp_if_available,
@@ -62,11 +63,14 @@ init_dist_connection = _init_dist_connection
 set_num_threads_if_needed = _set_num_threads_if_needed
 # all_reduce over a group; "mean" as a sum and a division where gloo has no AVG.
 sync_ddp_if_available = _sync_ddp_if_available
+# all_gather over a group into one stacked tensor (autograd through it with sync_grads).
+all_gather_ddp_if_available = _all_gather_ddp_if_available
 # Every optimizer's state tensors moved to the device (checkpoints restore them on the CPU).
 optimizers_to_device = _optimizers_to_device
 
 __all__ = [
     "SubprocessScriptLauncher",
+    "all_gather_ddp_if_available",
     "forward_cache",
     "init_dist_connection",
     "layer_sync_requested",

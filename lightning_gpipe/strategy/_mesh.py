@@ -164,8 +164,8 @@ def world_broadcast(obj: T, src: int) -> T:
 
 
 class MeshCollectives(ParallelStrategy):
-    """Lightning's collectives for a pipeline: ``sync_dist`` over the replicas, votes, barriers and broadcasts
-    over the world."""
+    """Lightning's collectives for a pipeline: ``sync_dist`` and ``all_gather`` over the replicas (as DDP over them),
+    votes, barriers and broadcasts over the world."""
 
     @property
     @abstractmethod
@@ -178,6 +178,12 @@ class MeshCollectives(ParallelStrategy):
             group = group if group is not None else self._mesh.dp_group
             return internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # As DDP over the replicas: one entry per replica (the stages of a pipeline hold the same values).
+        group = group if group is not None else self._mesh.dp_group
+        return internals.all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -54,6 +54,8 @@ def test_threads_optimizer_states_and_reduction() -> None:
     assert parameters(internals.sync_ddp_if_available) == ["result", "group", "reduce_op"]
     value = torch.tensor([3.0])  # no process group: returned as it is
     assert internals.sync_ddp_if_available(value, None, reduce_op="mean") is value
+    assert parameters(internals.all_gather_ddp_if_available) == ["tensor", "group", "sync_grads"]
+    assert internals.all_gather_ddp_if_available(value, None) is value  # no process group: returned as it is
 
 
 def test_the_connector_hands_over_sync_batchnorm_num_nodes_and_world_ranks() -> None:
