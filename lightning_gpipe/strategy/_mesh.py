@@ -175,15 +175,18 @@ class MeshCollectives(ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         # Values are identical on the stages of a pipeline; sync_dist reduces over the data-parallel replicas.
         if isinstance(tensor, Tensor):
-            group = group if group is not None else self._mesh.dp_group
-            return internals.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return internals.sync_ddp_if_available(tensor, self._replicas(group), reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         # As DDP over the replicas: one entry per replica (the stages of a pipeline hold the same values).
-        group = group if group is not None else self._mesh.dp_group
-        return internals.all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        return internals.all_gather_ddp_if_available(tensor, group=self._replicas(group), sync_grads=sync_grads)
+
+    def _replicas(self, group: Any | None) -> Any:
+        """The group a DDP run over the replicas would use for ``group``: its world is the replicas of this stage
+        (``LightningModule.all_gather`` passes ``WORLD`` itself); any other group as given."""
+        return self._mesh.dp_group if group is None or group is dist.group.WORLD else group
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

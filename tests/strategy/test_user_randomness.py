@@ -1,6 +1,7 @@
 """The user's random stream under GPipeStrategy is the one a run without a pipeline sees: the pipeline's step seeds
 come from its own stream (``pipe.rng.StepSeeds``), so ``torch.randn`` in ``training_step`` and in a hook draws, at
-every step and on every stage, what it draws under a plain single-device Trainer."""
+every step and on every stage, what it draws under ``Trainer(devices=1, strategy="ddp")`` (whose setup, like this
+strategy's, re-seeds from ``seed_everything``'s seed)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def worker(rank: int, world_size: int, pipelined: bool, hooked: bool) -> list[li
     warnings.simplefilter("ignore")
     pl.seed_everything(3, verbose=False)
     module = drawing(TinyHooked if hooked else TinyPipelined)()
-    strategy = GPipeStrategy(chunks=3, backbone="backbone") if pipelined else "auto"
+    strategy = GPipeStrategy(chunks=3, backbone="backbone") if pipelined else "ddp"
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=4)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     return module.draws
@@ -49,8 +50,8 @@ def worker(rank: int, world_size: int, pipelined: bool, hooked: bool) -> list[li
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("hooked", [False, True])
 def test_the_users_draws_are_those_of_a_run_without_a_pipeline(hooked: bool) -> None:
-    (plain,) = run_distributed(worker, 1, False, hooked, timeout=120, lightning=True)
+    (ddp,) = run_distributed(worker, 1, False, hooked, timeout=120, lightning=True)
     pipelined = run_distributed(worker, 2, True, hooked, timeout=200, lightning=True)
-    assert len(plain) == 8
+    assert len(ddp) == 8
     for rank, draws in enumerate(pipelined):
-        assert draws == plain, (rank, draws, plain)
+        assert draws == ddp, (rank, draws, ddp)
