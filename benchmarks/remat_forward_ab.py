@@ -1,11 +1,10 @@
-"""A/B: a checkpointed micro-batch's forward under ``no_grad`` vs in the recompute's grad mode with nothing saved.
+"""A/B: a checkpointed micro-batch's forward under ``no_grad`` vs in the recompute's grad mode with nothing saved."""
 
-``rematerialize.first_forward`` takes the second on accelerators (the same kernels as the recompute) and the first
-on the CPU. This measures what the second would cost on the CPU: peers.py's model (8 Transformer encoder layers,
-d 256, batch 64 × 32), K = 2, M = 8, ``stage.train_step`` under each schedule, the two forwards alternating step by
-step in the same two processes. ``python -m benchmarks.remat_forward_ab`` (about 3 min on 2 cores); the result is in
-``benchmarks/README.md``.
-"""
+# rematerialize.first_forward takes the second on accelerators (the same kernels as the recompute) and the first on
+# the CPU. This measures what the second would cost on the CPU: peers.py's model (8 Transformer encoder layers, d 256,
+# batch 64 × 32), K = 2, M = 8, stage.train_step under each schedule, the two forwards alternating step by step in
+# the same two processes. `python -m benchmarks.remat_forward_ab` (about 3 min on 2 cores); results in
+# benchmarks/README.md.
 
 from __future__ import annotations
 
