@@ -107,22 +107,20 @@ def hierarchical(dp_reduction: DpReduction, world_size: int, K: int, per_node: i
 
 
 def _pipeline_groups(world_size: int, K: int, rank: int, backend: str = "gloo") -> dist.ProcessGroup:
-    """A new group per pipeline; this rank's."""
-    mine = None
-    for start in range(0, world_size, K):  # new_group is collective over the world: all create all
-        group = dist.new_group(list(range(start, start + K)), backend=backend)
-        if start <= rank < start + K and isinstance(group, dist.ProcessGroup):
-            mine = group
-    assert mine is not None
-    return mine
+    """A new group per pipeline (K consecutive ranks); this rank's."""
+    return _own_group([list(range(start, start + K)) for start in range(0, world_size, K)], rank, backend)
 
 
 def _replica_groups(world_size: int, K: int, rank: int, backend: str = "gloo") -> dist.ProcessGroup:
     """A new group per stage over its data-parallel replicas (the ranks of the mesh's dp groups); this rank's."""
+    return _own_group([list(range(k, world_size, K)) for k in range(K)], rank, backend)
+
+
+def _own_group(rank_sets: list[list[int]], rank: int, backend: str) -> dist.ProcessGroup:
     mine = None
-    for k in range(K):  # new_group is collective over the world: all create all
-        group = dist.new_group(list(range(k, world_size, K)), backend=backend)
-        if rank % K == k and isinstance(group, dist.ProcessGroup):
+    for ranks in rank_sets:  # new_group is collective over the world: all create all, in the same order
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks and isinstance(group, dist.ProcessGroup):
             mine = group
     assert mine is not None
     return mine
