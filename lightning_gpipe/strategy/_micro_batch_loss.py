@@ -26,12 +26,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.warnings import PossibleUserWarning
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
+from lightning_gpipe.strategy._lazy_output import LazyOutput, real_leaves
 from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, host_floats, replay, step_only_metrics
 from lightning_gpipe.strategy._rank_pipeline import EarlyReduction
 from lightning_gpipe.strategy._split_check import check_split_invariance
@@ -147,6 +150,81 @@ class MicroBatchLoss:
         finally:
             del stage.forward
             del module.pipeline_loss
+
+    @contextmanager
+    def evaluation_step(self, module: Any) -> Iterator[None]:
+        """While the user's validation or test step runs: the backbone gives a :class:`LazyOutput`; given straight to
+        ``pipeline_loss``, the pipeline runs with the loss on the whole output on the last stage, and only the loss,
+        logs and metric increments reach the other stages (else the output is computed and shared as usual)."""
+        stage, real_forward, hook = self.stage, self.stage.forward, getattr(module, HOOK)
+        made: list[LazyOutput] = []
+
+        def capture(input: Any = None) -> Any:
+            if torch.is_grad_enabled():
+                return real_forward(input)
+
+            def compute() -> Any:
+                if lazy.taken:
+                    warn_second_forward()
+                return real_forward(input)
+
+            lazy = LazyOutput(compute, input)
+            made.append(lazy)
+            return lazy
+
+        def pipeline_loss(output: Any, *args: Any, **kwargs: Any) -> Tensor:
+            if isinstance(output, LazyOutput) and not output.ready and not output.taken:
+                output.taken = True
+                mode, stage.output_mode = stage.output_mode, "last"
+                try:
+                    whole = real_forward(output.input)  # on the last stage; None on the others
+                finally:
+                    stage.output_mode = mode
+                return self._evaluate(module, hook, whole, args, kwargs)
+            output, args, kwargs = real_leaves((output, args, kwargs))
+            return hook(output, *args, **kwargs)
+
+        stage.forward = capture  # type: ignore[method-assign]
+        module.pipeline_loss = pipeline_loss
+        try:
+            yield
+        finally:
+            del stage.forward
+            del module.pipeline_loss
+            for lazy in made:
+                lazy.sealed = True
+        for lazy in made:  # unused, or returned: computed now on every rank, as before, not later on one rank only
+            if not lazy.taken:
+                lazy.real()
+
+    def _evaluate(self, module: Any, hook: Callable[..., Tensor], output: Any, args: tuple, kwargs: dict) -> Tensor:
+        """``hook`` on the whole ``output`` on the last stage (None elsewhere); its loss, logs and metric increments
+        given to every stage."""
+        stage, device = self.stage, _device_of(self.stage)
+        payload: dict[str, Any] = {}
+        if stage.is_last:
+            recorder, increments = LogRecorder(module), {}  # type: ignore[var-annotated]
+            real_log, real_log_dict = module.log, module.log_dict
+            module.log, module.log_dict = recorder.log, recorder.log_dict
+            try:
+                with step_only_metrics(module, increments):
+                    loss = hook(output, *args, **kwargs)
+                if not isinstance(loss, Tensor) or loss.numel() != 1:
+                    raise TypeError(f"pipeline_loss must return a scalar tensor, got {type(loss).__name__}")
+                payload = {"loss": loss.detach().cpu(), "logs": recorder.combined(1), "metrics": increments}
+            except Exception as e:  # the other stages wait for this broadcast: they must learn why it failed
+                payload = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                module.log, module.log_dict = real_log, real_log_dict
+        if self.last is not None:
+            box = [payload]
+            dist.broadcast_object_list(box, src=self.last, group=self.group)
+            payload = box[0]
+        if "error" in payload:
+            raise RuntimeError(f"on the last stage, in pipeline_loss: {payload['error']}")
+        absorb(module, payload["metrics"], device)
+        replay(module, payload["logs"], device)
+        return payload["loss"].to(device)
 
     def _run(self, call: _Call, reduction: EarlyReduction | None) -> Tensor:
         stage, module = self.stage, call.module
@@ -264,6 +342,15 @@ class MicroBatchLoss:
         self.grads, self.loss = {}, None
         if reduce is not None and not self.reduced:
             reduce()
+
+
+def warn_second_forward() -> None:
+    rank_zero_warn(
+        "GPipeStrategy: an evaluation step used the backbone's output after self.pipeline_loss had taken it (which "
+        "keeps the output on the last stage), so the pipeline ran a second time to compute it. Use the output "
+        "before calling self.pipeline_loss on it to run the pipeline once",
+        category=PossibleUserWarning,
+    )
 
 
 def _never_called(y: Any, m: int) -> Tensor:

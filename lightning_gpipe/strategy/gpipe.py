@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -333,13 +333,17 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with abort_on_error(self.stage):
+        with abort_on_error(self.stage), self._evaluation_step():
             return self._from_last_stage(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with abort_on_error(self.stage):
+        with abort_on_error(self.stage), self._evaluation_step():
             return self._from_last_stage(super().test_step(*args, **kwargs))
+
+    def _evaluation_step(self) -> AbstractContextManager[None]:
+        # With the loss inside, an output given straight to pipeline_loss stays on the last stage.
+        return nullcontext() if self._micro is None else self._micro.evaluation_step(self._trainer.lightning_module)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
