@@ -71,8 +71,11 @@ class FailureHandler:
     def _fail(self, err: PipelineError, phase: str, output_mode: OutputMode) -> None:
         self._broken = err
         links = self._links
-        if links is None or err.settled:
-            return  # a settled error came out of the status check: every stage knows already
+        if links is None:
+            return
+        if err.settled:  # it came out of the status check: every stage knows already
+            links.transport.abort_data()
+            return
         # Before queuing the error notices: dropping a gloo send's handle cancels it. A silent peer reads nothing.
         links.transport.abandon_sends(grace_s=0.0 if isinstance(err, PipelineTimeout) else 2.0)
         # Wake the neighbours that may wait for this stage; whoever receives it passes it on.
@@ -83,6 +86,8 @@ class FailureHandler:
         if last and output_mode != "last" and phase in ("forward", "evaluation"):
             for dst in range(self._num_stages - 1):
                 self._notify(links, dst, err, tag=OUTPUT_TAG)
+        # Transfers posted ahead (a gradient's receive whose header brought the error) are never matched now.
+        links.transport.abort_data()
         # Every stage that raises meets the others here, which also keeps this process alive until its notices are
         # delivered. Not after a timeout or a lost peer: the check would only wait for the same silent peer again.
         if not isinstance(err, PipelineTimeout):

@@ -75,7 +75,22 @@ class OrderedP2P:
         self._queue: queue.Queue[_Op] = queue.Queue()
         self._posted: list[_Op] = []  # not yet run, in order; [0] is running
         self._lock = threading.Lock()
+        self._aborted = False
         threading.Thread(target=self._run, name=f"nccl-order-{name}", daemon=True).start()
+
+    @property
+    def posted(self) -> int:
+        """How many of this rank's operations on the group have not run yet."""
+        with self._lock:
+            return len(self._posted)
+
+    def abort(self) -> None:
+        """Fail every operation posted and every later one, as an aborted NCCL communicator does."""
+        with self._lock:
+            self._aborted, posted, self._posted = True, self._posted, []
+        for op in posted:
+            op.error = P2POrderError(f"the {self.name} group was aborted before its {op} ran")
+            op.done.set()
 
     def isend(self, buf: torch.Tensor, dst: int) -> _Op:
         return self._post(_Op(self, "send", buf, dst))
@@ -85,6 +100,8 @@ class OrderedP2P:
 
     def _post(self, op: _Op) -> _Op:
         with self._lock:
+            if self._aborted:
+                raise P2POrderError(f"the {self.name} group was aborted: {op} cannot run")
             self._posted.append(op)
         self._queue.put(op)
         return op
@@ -111,12 +128,15 @@ class OrderedP2P:
     def _run(self) -> None:
         while True:
             op = self._queue.get()
+            if op.done.is_set():  # failed by abort() before it ran
+                continue
             try:
                 self._rendezvous(op)
             except BaseException as e:  # handed to the waiter: this thread must outlive any one failure
                 op.error = e
             with self._lock:
-                self._posted.remove(op)
+                if op in self._posted:
+                    self._posted.remove(op)
             op.done.set()
 
     def _rendezvous(self, op: _Op) -> None:

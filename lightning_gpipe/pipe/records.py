@@ -42,7 +42,8 @@ class Placeholder:
         return Placeholder(tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
 
     def zeros(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+        """Zeros of the output's shape that hold one element: every index reads it (an in-place write raises)."""
+        return torch.zeros((), dtype=self.dtype, device=device).expand(self.shape)
 
 
 OutputMode = Literal["last", "all", "placeholder"]

@@ -257,6 +257,21 @@ class Transport:
                 raise self._lost(e, f"stage {dst} to receive a message", dst) from e
         self._pending_sends.clear()
 
+    def abort_data(self) -> None:
+        """After a failure: cancel every transfer this rank posted on the data groups, and any later one.
+
+        NCCL would otherwise keep receives posted ahead of the failure (and the kernels waiting on them) until its
+        watchdog fires; the groups are not used again (the pipeline refuses to run after a failure). The world's
+        group is left alone: aborting it would take every later collective of the process (Lightning's teardown)
+        with it. Headers (error notices among them) still go out."""
+        for ordered in {id(o): o for o in self._ordered.values()}.values():
+            ordered.abort()
+        if self.stream_waits:
+            for group in {id(g): g for g in (self.group, self.upstream_group)}.values():
+                if group is not dist.group.WORLD:
+                    group.abort()
+        self._pending_sends = [s for s in self._pending_sends if not s[3]]
+
     def abandon_sends(self, grace_s: float = 2.0) -> None:
         """Forget sends no peer will receive (after a failure); the process group should not be reused.
 

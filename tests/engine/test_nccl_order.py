@@ -222,3 +222,39 @@ def test_the_matrix_catches_the_old_single_group_layout() -> None:
     """The loss-inside step on one group for both directions: the cycle the issue found, stopped on every rank."""
     for text in run_distributed(_old_layout, 2, timeout=90):
         assert text.startswith("PipelineError") and "under NCCL's point-to-point rules" in text, text
+
+
+def _fails_in_the_loss(rank: int, world_size: int, schedule: str) -> dict:
+    """Stage 1's loss fails on micro-batch 1, while stage 0 has transfers posted ahead (its gradient receives)."""
+    _ordered()
+    x, _ = batch(seed=0)
+    stage = GPipeStage(backbone(), chunks=3, timeout=20)
+
+    def loss_fn(out: torch.Tensor, m: int) -> torch.Tensor:
+        if m == 1:
+            raise ValueError("the loss failed")
+        return out.square().sum()
+
+    error = ""
+    try:
+        stage.train_step(x, loss_fn, schedule=schedule)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    transport = stage._failures._links.transport  # type: ignore[union-attr]
+    queues = {id(q): q for q in transport._ordered.values()}.values()
+    try:
+        transport.send(1 - rank, torch.ones(4))
+        later = "posted"
+    except P2POrderError as e:
+        later = str(e)
+    return {"error": error, "posted": sum(q.posted for q in queues), "later": later}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_failure_aborts_the_transfers_posted_ahead(schedule: str) -> None:
+    """Every rank raises the loss's error, and nothing stays posted on its data groups (NCCL would keep a receive
+    posted ahead of the failure, and the kernels behind it, until its watchdog fires); later transfers fail."""
+    for rank, r in enumerate(run_distributed(_fails_in_the_loss, 2, schedule, timeout=90)):
+        assert r["error"].startswith("PipelineError") and "the loss failed" in r["error"], (rank, r)
+        assert r["posted"] == 0, (rank, r)
+        assert "was aborted" in r["later"], (rank, r)
