@@ -25,6 +25,7 @@ from lightning_gpipe.pipe.batch_feed import BatchFeed
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
+    check_backbone_layers,
     check_loss_path,
     check_strategy_args,
     check_world_size,
@@ -258,6 +259,7 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
             if isinstance(backbone, GPipeStage):  # pipelined by an earlier Trainer
                 self._pipeline = RankPipeline(backbone, mesh)
             else:
+                check_backbone_layers(module, self.backbone, backbone, mesh.K)
                 options = StageOptions.of(self)
                 record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
                 self._pipeline = RankPipeline.build(
@@ -320,6 +322,9 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
         self._tracer.begin(stage, mesh, trainer.global_step)
         batch = args[0] if args else kwargs.get("batch")
+        audit = self._rank_pipeline.step_audit
+        if audit is not None:
+            audit.start_step(batch)
         with abort_on_error(stage):
             self._batch_check(batch, trainer.current_epoch, mesh.K, mesh.header_group)
             if self._micro is None:
@@ -327,8 +332,8 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
             else:
                 with self._micro.training_step(trainer, self._rank_pipeline, reduce=not self._sync_blocked):
                     output = super().training_step(*args, **kwargs)
-        if self._rank_pipeline.step_audit is not None:
-            self._rank_pipeline.step_audit(stage, batch)
+        if audit is not None:
+            audit(stage, batch)
         return output
 
     @override
