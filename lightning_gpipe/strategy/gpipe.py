@@ -25,7 +25,6 @@ from lightning_gpipe.pipe.batch_feed import BatchFeed
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
-    check_backbone_layers,
     check_loss_path,
     check_strategy_args,
     check_world_size,
@@ -259,7 +258,6 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
             if isinstance(backbone, GPipeStage):  # pipelined by an earlier Trainer
                 self._pipeline = RankPipeline(backbone, mesh)
             else:
-                check_backbone_layers(module, self.backbone, backbone, mesh.K)
                 options = StageOptions.of(self)
                 record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
                 self._pipeline = RankPipeline.build(
