@@ -30,7 +30,11 @@ class RemoteLayer(nn.Module):
         raise TypeError(f"{self.where}; its sublayer [{index!r}] is only there (check stage.holds(i) first)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{self.where}; it can only run there, inside the pipeline")
+        raise RuntimeError(
+            f"{self.where}; it can only run there, inside the pipeline. Call the pipelined module whole "
+            "(self.backbone(x) in a LightningModule), which runs every layer on its stage: iterating over its layers "
+            "(for layer in self.backbone: x = layer(x)) or calling one of them runs only what this rank holds"
+        )
 
     def extra_repr(self) -> str:
         return self.where

@@ -60,6 +60,13 @@ def _check_dims(t: torch.Tensor, batch_dim: int) -> None:
         )
 
 
+_DISAGREE_FIX = (
+    "If another dimension holds the samples (time-major (T, N, ...) tensors: batch_dim=1), set batch_dim to it; "
+    "a tensor that is the same for every sample (a mask over the vocabulary) is not split: keep it out of the "
+    "batch (a module buffer), or make it 0-dim"
+)
+
+
 def batch_size(batch: Any, batch_dim: int = 0) -> int:
     """N, the common size along ``batch_dim`` of every batched tensor in ``batch``; errors if they disagree or there
     are none."""
@@ -77,7 +84,7 @@ def batch_size(batch: Any, batch_dim: int = 0) -> int:
         shapes = [tuple(t.shape) for t in batched]
         raise ValueError(
             f"tensors in the batch disagree on the batch size (dim {batch_dim}): shapes {shapes}; "
-            f"every tensor that is split into micro-batches needs the same dim-{batch_dim} size"
+            f"every tensor that is split into micro-batches needs the same dim-{batch_dim} size. {_DISAGREE_FIX}"
         )
     return sizes.pop()
 
@@ -101,6 +108,12 @@ def split_by_sizes(batch: Any, sizes: Sequence[int], batch_dim: int = 0) -> list
     for leaf in leaves:
         if _is_batched(leaf):
             _check_dims(leaf, batch_dim)
+            if leaf.shape[batch_dim] != N:  # torch.split would say only that the sizes do not add up
+                raise ValueError(
+                    f"a tensor of shape {tuple(leaf.shape)} has {leaf.shape[batch_dim]} entries along dim {batch_dim} "
+                    f"(batch_dim={batch_dim}), but the batch split into micro-batches of {list(sizes)} has {N} "
+                    f"samples. {_DISAGREE_FIX}"
+                )
             pieces.append(leaf.split(list(sizes), dim=batch_dim))
         elif _is_per_sample(leaf, N):
             bounds = list(itertools.accumulate(sizes, initial=0))

@@ -260,8 +260,9 @@ class GPipeStage(nn.Module):
         if torch.is_grad_enabled():
             if self._step is not None:
                 raise RuntimeError(
-                    "the pipelined module was called twice before backward() drained the first call: call it exactly "
-                    "once per training step (or call reset() if a step's backward is skipped)"
+                    "the pipelined module was called again, with grad, before backward() drained its previous call: "
+                    "each call's forward phase must be drained by backward() before the next call (batch several "
+                    "inputs into one call); reset() drops a forward phase whose backward will not run"
                 )
             self._step, output = self._schedule.forward(input, self._chunks, self._output_mode)
             return output

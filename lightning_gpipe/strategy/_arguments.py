@@ -88,12 +88,81 @@ def find_backbone(module: nn.Module, path: str) -> tuple[nn.Module, str, nn.Sequ
             f"nn.Sequential attributes found: {candidates or 'none'}; pass one of them as GPipeStrategy(backbone=...)"
         )
     if not isinstance(found, nn.Sequential | GPipeStage):
-        raise TypeError(
-            f"GPipeStrategy(backbone={path!r}) is a {type(found).__name__}, not an nn.Sequential: "
-            "express the part to pipeline as an nn.Sequential of layers"
-        )
+        raise TypeError(_not_sequential(path, found))
     assert parent is not None
     return parent, name, found
+
+
+GUIDE = 'docs/guide.md, "Backbones that are not an nn.Sequential"'
+
+
+def _not_sequential(path: str, found: Any) -> str:
+    what = f"GPipeStrategy(backbone={path!r}) is a {type(found).__name__}, not an nn.Sequential"
+    if isinstance(found, nn.ModuleList):
+        return (
+            f"{what}: a ModuleList has no forward, and the model's loop over it (for block in self.layers: "
+            "hidden = block(hidden, mask)) passes each block more than one argument. Wrap each block in a layer "
+            "that takes and returns one tuple, e.g. `forward(self, x): hidden, mask = x; return "
+            "self.block(hidden, mask)[0], mask`, make self.backbone = nn.Sequential(*(Wrapped(b) for b in blocks)) "
+            "(no other module may keep the ModuleList), and call self.backbone((hidden, mask)) in place of the loop; "
+            f"see {GUIDE}"
+        )
+    if not isinstance(found, nn.Module):
+        return f"{what}: point backbone= at the nn.Sequential of layers to pipeline"
+    inner = [(n, m) for n, m in found.named_modules() if n and isinstance(m, nn.Sequential)]
+    inner = [(n, m) for n, m in inner if not any(n.startswith(f"{o}.") for o, _ in inner)]
+    hint = ""
+    if inner:
+        shown = ", ".join(f"{path}.{n} ({len(m)} layers)" for n, m in inner[:4])
+        hint = f" The nn.Sequential modules inside it: {shown}; backbone= may name one of them."
+    return (
+        f"{what}: GPipeStrategy splits an nn.Sequential between its layers, one stage after the other.{hint} "
+        "Else write the part to pipeline as an nn.Sequential; a skip connection that jumps over layers (a U-Net's) "
+        "travels through them in a tuple, each layer taking (x, *skips) and returning what the later layers still "
+        f"need; see {GUIDE}"
+    )
+
+
+def check_backbone_layers(module: nn.Module, path: str, backbone: nn.Sequential, K: int) -> None:
+    """At setup, on every rank: K stages need K layers, and no model around the backbone may run its layers one at
+    a time itself (timm's or HuggingFace's own gradient checkpointing)."""
+    for name, owner in module.named_modules():
+        timm = getattr(owner, "grad_checkpointing", False) is True
+        hf = getattr(owner, "gradient_checkpointing", False) is True
+        if not (timm or hf) or owner is backbone or not any(m is backbone for m in owner.modules()):
+            continue
+        where = f"self.{name}" if name else "self"
+        if timm:
+            flag, runner = f"{where}.grad_checkpointing is True (timm's set_grad_checkpointing)", "checkpoint_seq"
+            off = f"{where}.set_grad_checkpointing(False)"
+        else:
+            flag = f"{where}.gradient_checkpointing is True (HuggingFace's gradient_checkpointing_enable)"
+            runner, off = "its checkpoint function", "gradient_checkpointing_disable() on the HuggingFace model"
+        raise ValueError(
+            f"GPipeStrategy: {flag}: the model's forward then runs self.{path} one layer at a time through {runner}, "
+            "but each rank holds only its stage's layers. The pipeline re-materializes already: GPipeStrategy("
+            "checkpoint='except_last') (the default) recomputes each micro-batch's activations in its backward, "
+            f"'always' keeps even fewer. Turn the model's own off: {off}"
+        )
+    if len(backbone) >= K:
+        return
+    nested = [(i, m) for i, m in enumerate(backbone) if isinstance(m, nn.Sequential) and len(m) >= K]
+    layers = f"{len(backbone)} layer{'s' if len(backbone) != 1 else ''}"
+    message = (
+        f"GPipeStrategy: self.{path} has {layers}, fewer than the {K} stages (pipeline_parallel_size={K}): every "
+        "stage needs at least one layer"
+    )
+    if nested:
+        i, inner = nested[0]
+        name = list(backbone._modules)[i]
+        message += (
+            f". self.{path}[{i}] is an nn.Sequential of {len(inner)} layers (nn.Sequential(*model.children()) keeps "
+            f"the model's own nn.Sequential, such as torchvision's `features`, as one layer): pipeline it instead, "
+            f"with GPipeStrategy(backbone='{path}.{name}') or by holding it as self.{path}"
+        )
+    else:
+        message += "; give the backbone more layers (unpack nested nn.Sequential ones), or use fewer stages"
+    raise ValueError(message)
 
 
 def reject_unsupported(module: nn.Module, backbone: str, *, sync_batchnorm: bool, deferred_batch_norm: bool) -> None:

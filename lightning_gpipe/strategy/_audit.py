@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.microbatch import tensors
+from lightning_gpipe.strategy._split_dim import check_split_dim
 
 # Under Lightning's logger, so the findings print where its own setup messages do (it sets INFO and a handler).
 logger = logging.getLogger("lightning.pytorch.strategies.gpipe")
@@ -128,40 +127,46 @@ class BackboneAudit:
 
 
 class StepAudit:
-    """What only a running training step shows, each said once: buffers the backbone's layers change in forward
-    (warned per stage, by its first replica, as soon as seen), and a backbone input split along a dimension that no
-    tensor of the loader's batch has as its samples (the first step, on global rank 0)."""
+    """What only a running training step shows. At every call of the backbone with grad: a call while the previous
+    one awaits its backward is refused in the user's terms (every rank, at the call). At its first call in a fit:
+    an input split along a dimension that is not the loader's samples stops every rank; a split size the batch does
+    not have is warned about by global rank 0. Buffers the backbone's layers change in forward: warned per stage, by
+    its first replica, as soon as seen."""
 
     def __init__(self, stage: Any, path: str, batch_dim: int, dp_group: Any, rank: int) -> None:
-        self.path, self.batch_dim = path, batch_dim
+        self.path, self.batch_dim, self.rank = path, batch_dim, rank
         self.first_replica = dp_group is None or dist.get_rank(dp_group) == 0
         self.stateful_reported = False
-        self.split: int | None = None
-        self._hook = stage.register_forward_pre_hook(self._see_input) if rank == 0 and stage.is_first else None
+        self.batch: Any = None
+        self.checked = False
+        self._stage = stage
+        stage.register_forward_pre_hook(self._see_input)
+
+    def start_step(self, batch: Any) -> None:
+        """Before the user's training step: the loader's batch the backbone's input is compared with."""
+        self.batch = batch
 
     def _see_input(self, _: nn.Module, args: tuple[Any, ...]) -> None:
-        from lightning_gpipe.pipe.microbatch import batch_size
-
-        if self._hook is not None and torch.is_grad_enabled() and args:
-            self._hook.remove()
-            self._hook = None
-            with contextlib.suppress(ValueError):  # a malformed input is the engine's to report
-                self.split = batch_size(args[0], self.batch_dim)
+        if not torch.is_grad_enabled() or self.batch is None:
+            return  # evaluation, or a call outside a training step
+        if self._stage.pending:
+            raise RuntimeError(
+                f"GPipeStrategy: self.{self.path} was called again, with grad, before the loss of its previous call "
+                "was back-propagated. Each call runs one forward pass through every stage, and its backward must "
+                "run before the next: call the backbone once per training step (with manual optimization, once "
+                "per self.manual_backward). Calls under torch.no_grad() are free. To run it on several inputs "
+                "(a GAN's discriminator on real and fake samples), call it once on torch.cat([real, fake]) and "
+                "split its output"
+            )
+        if self.checked or not args:
+            return
+        self.checked = True
+        warning = check_split_dim(args[0], self.batch, self.batch_dim, self.path)
+        if warning is not None and self.rank == 0:
+            warnings.warn(warning, stacklevel=2)
 
     def __call__(self, stage: Any, batch: Any) -> None:
-        if self.split is not None:
-            sizes = {t.shape[0] for t in tensors(batch) if t.dim() > 0}
-            if sizes and self.split not in sizes:
-                warnings.warn(
-                    f"GPipeStrategy: self.{self.path}'s input was split into micro-batches along dim "
-                    f"{self.batch_dim}, of size {self.split}, but the loader's batch holds {sorted(sizes)} samples "
-                    f"(dim 0 of its tensors). If another dimension of the backbone's input holds the samples (a "
-                    "time-major (T, N, ...) layout), set GPipeStrategy(batch_dim=...): split along the wrong one, "
-                    "the results are silently wrong. If splitting this dimension is intended (tokens flattened "
-                    "into rows), ignore this.",
-                    stacklevel=2,
-                )
-            self.split = None
+        self.batch = None
         if not self.stateful_reported and stage.buffers_changed_in_forward:
             self.stateful_reported = True
             if self.first_replica:

@@ -15,6 +15,7 @@ from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
 from lightning_gpipe.pipe.schedule import Checkpoint
+from lightning_gpipe.strategy._arguments import check_backbone_layers
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
 from lightning_gpipe.strategy._balance import StrategyBalance, plan_balance, shown_costs
 from lightning_gpipe.strategy._loss_audit import check_loss
@@ -102,6 +103,7 @@ class RankPipeline:
         materialized here, only this rank's share of it, as ``init_record`` says it was initialized.
         """
         K, rank = mesh.K, mesh.rank
+        check_backbone_layers(module, path, backbone, K)  # on every rank, before any collective
         names = [n for n, _ in module.named_parameters()]
         audit = BackboneAudit(module, backbone, path)
         on_meta = has_meta_tensors(module)

@@ -320,6 +320,9 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
         self._tracer.begin(stage, mesh, trainer.global_step)
         batch = args[0] if args else kwargs.get("batch")
+        audit = self._rank_pipeline.step_audit
+        if audit is not None:
+            audit.start_step(batch)
         with abort_on_error(stage):
             self._batch_check(batch, trainer.current_epoch, mesh.K, mesh.header_group)
             if self._micro is None:
@@ -327,8 +330,8 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
             else:
                 with self._micro.training_step(trainer, self._rank_pipeline, reduce=not self._sync_blocked):
                     output = super().training_step(*args, **kwargs)
-        if self._rank_pipeline.step_audit is not None:
-            self._rank_pipeline.step_audit(stage, batch)
+        if audit is not None:
+            audit(stage, batch)
         return output
 
     @override

@@ -34,8 +34,6 @@ from tests.helpers.habits_modules import (
     probe_parts,
     rel_err,
     scenario_data,
-    time_major_loss,
-    time_major_parts,
     vit_parts,
 )
 from tests.helpers.launch import quiet_trainer, run_distributed
@@ -91,19 +89,6 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
         if k in got:
             out["moved"][k] = (got[k] - initial[k]).abs().max().item()
     return out
-
-
-def unsaid_batch_dim_scenario(world_size: int) -> list[str]:
-    """A time-major backbone input without batch_dim: split along time, which the loader's batch does not have."""
-    from lightning_gpipe.strategy import GPipeStrategy
-
-    module = habit_module(time_major_parts, time_major_loss)
-    strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=PP)
-    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, DataLoader(scenario_data("sequences"), batch_size=BATCH))
-    return [str(w.message) for w in caught if str(w.message).startswith("GPipeStrategy")]
 
 
 def loss_logging_scenario(world_size: int) -> str:
@@ -210,8 +195,6 @@ def world_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
     for name in names:
         if name == "loss_logging":
             out[name] = _guard(loss_logging_scenario, world_size)
-        elif name == "unsaid_batch_dim":
-            out[name] = _guard(unsaid_batch_dim_scenario, world_size)
         elif name.startswith("metrics"):
             out[name] = _guard(metrics_scenario, world_size, name.removeprefix("metrics_"))
         else:
@@ -224,7 +207,7 @@ def world_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
 
 
 WORLD2 = ["metrics_all", "vit_alias", "vit_dotted", "vit_inside", "vit_fed", "resnet_bn", "tied_frozen_unused",
-          "frozen_backbone", "counter", "time_major", "unsaid_batch_dim", "metrics_placeholder",
+          "frozen_backbone", "counter", "time_major", "metrics_placeholder",
           "loss_logging"]  # fmt: skip
 WORLD4 = ["metrics_all", "tied_frozen_unused"]
 
@@ -303,15 +286,6 @@ def test_metrics_equal_the_plain_run(world2: list, world4: list, world: int, nam
         for kind in ("by_hand", "logged"):
             for metric, err in r[kind].items():
                 assert err <= 1e-6, (rank, kind, metric, err)
-
-
-@pytest.mark.timeout(420)
-def test_a_split_along_a_dimension_the_batch_does_not_have_is_named(world2: list[dict[str, Any]]) -> None:
-    """(T, N, D) with T = 5 split along dim 0 while the loader's tensors hold N = 8 samples: rank 0 says so, once."""
-    warned = [w["unsaid_batch_dim"] for w in world2]
-    assert not isinstance(warned[0], dict), warned[0]
-    assert len(warned[0]) == 1 and warned[1] == [], warned
-    assert "split into micro-batches along dim 0, of size 5" in warned[0][0] and "batch_dim" in warned[0][0]
 
 
 @pytest.mark.timeout(420)
