@@ -30,7 +30,6 @@ __all__ = [
 ]
 
 _local = threading.local()
-
 _BATCH_NORMS: dict[int, type[_BatchNorm]] = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
 # Where a layer keeps its deferral: a plain attribute, so that state dicts stay those of the layer's own class.
@@ -228,8 +227,9 @@ def _defer(layer: _BatchNorm) -> None:
     if is_deferred(layer):
         return
     object.__setattr__(layer, _ATTRIBUTE, _Deferral())
+    # Inside the hooks the layer already has: those run outside the interception, as they would without it.
     layer.register_forward_pre_hook(_before)
-    layer.register_forward_hook(_after, always_call=True)
+    layer.register_forward_hook(_after, prepend=True, always_call=True)
 
 
 def _undefer(layer: nn.Module) -> None:

@@ -47,6 +47,14 @@ class ShiftedBatchNorm2d(nn.BatchNorm2d):
         return super().forward(x.square()) + 1.0
 
 
+class AtenBatchNorm2d(nn.BatchNorm2d):
+    """Calls torch.batch_norm, below F.batch_norm, itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b, mean, var = self.weight, self.bias, self.running_mean, self.running_var
+        return torch.batch_norm(x, w, b, mean, var, self.training, self.momentum, self.eps, False).tanh()
+
+
 class ManualBatchNorm2d(nn.BatchNorm2d):
     """Updates its running mean by hand: nothing can defer that."""
 
@@ -204,7 +212,11 @@ def test_outside_a_pipeline_the_layer_is_itself() -> None:
     from timm.layers import BatchNormAct2d
 
     torch.manual_seed(0)
-    for make in (lambda: BatchNormAct2d(8, act_layer=nn.GELU), lambda: GatedBatchNorm(8, momentum=None)):
+    for make in (
+        lambda: BatchNormAct2d(8, act_layer=nn.GELU),
+        lambda: GatedBatchNorm(8, momentum=None),
+        lambda: AtenBatchNorm2d(8),
+    ):
         plain, deferred = make(), convert_deferred_batch_norm(make())
         deferred.load_state_dict(plain.state_dict())
         for _ in range(2):
