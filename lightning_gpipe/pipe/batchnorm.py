@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
 
 from lightning_gpipe.pipe.rematerialize import is_recomputing
-from lightning_gpipe.pipe.sync_batchnorm import Moments, merge_moments, sync_batch_norm
+from lightning_gpipe.pipe.sync_batchnorm import Moments, check_same_m, merge_moments, sync_batch_norm
 
 __all__ = [
     "DeferredBatchNorm",
@@ -22,16 +23,24 @@ __all__ = [
     "commit_deferred_batch_norm",
     "convert_deferred_batch_norm",
     "deferred_statistics",
+    "is_deferred",
     "is_deferring",
     "revert_deferred_batch_norm",
     "sync_deferred_batch_norm",
 ]
 
 _local = threading.local()
-
-_AnyBatchNorm = TypeVar("_AnyBatchNorm", bound=_BatchNorm)
-
 _BATCH_NORMS: dict[int, type[_BatchNorm]] = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+
+# Where a layer keeps its deferral: a plain attribute, so that state dicts stay those of the layer's own class.
+_ATTRIBUTE = "_deferred_statistics"
+
+# The argument names of the calls a layer's forward normalizes with, by position.
+_SIGNATURES: dict[Callable[..., Any], tuple[str, ...]] = {
+    F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+    torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"),
+}
+_DEFAULTS: dict[str, Any] = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
 
 
 def is_deferring() -> bool:
@@ -41,10 +50,8 @@ def is_deferring() -> bool:
 
 @contextlib.contextmanager
 def deferred_statistics() -> Iterator[None]:
-    """Mark a pipeline forward phase: DeferredBatchNorm accumulates statistics instead of updating running ones.
-
-    The flag is thread-local, so every thread that runs a stage must enter it itself.
-    """
+    """Mark a pipeline forward phase: deferred BatchNorm layers accumulate statistics instead of updating running
+    ones. The flag is thread-local, so every thread that runs a stage must enter it itself."""
     previous = is_deferring()
     _local.deferring = True
     try:
@@ -53,14 +60,191 @@ def deferred_statistics() -> Iterator[None]:
         _local.deferring = previous
 
 
-def _dims_of(ndim: int | None) -> int:
-    # (N, C) and (N, C, L) are BatchNorm1d; anything unknown falls back to the most common, BatchNorm2d.
-    return {2: 1, 3: 1, 4: 2, 5: 3}.get(ndim, 2) if ndim is not None else 2
+def _version(t: torch.Tensor | None) -> int:
+    try:
+        return -1 if t is None else t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return -1
+
+
+class _Deferral:
+    """One layer's deferred statistics: the moments of its micro-batches since the last commit, and what its own
+    forward would have done to its running statistics (the factor it passed, its num_batches_tracked after)."""
+
+    def __init__(self) -> None:
+        self.sync_group: dist.ProcessGroup | None = None
+        self.open: _Open | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.accumulated = False  # since the last commit; with sync, the replicas agree on this, not on the count
+        self.count = 0
+        self.mean: torch.Tensor | None = None
+        self.m2: torch.Tensor | None = None
+        self.factor = 0.0
+        self.tracked: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        # A process group can be neither pickled nor deep-copied: a copy starts unsynced, like a fresh layer.
+        return {**self.__dict__, "sync_group": None, "open": None}
+
+    @torch.no_grad()
+    def accumulate(self, x: torch.Tensor, factor: float) -> None:
+        self.factor = float(factor)
+        n = x.numel() // x.shape[1]
+        if n == 0:
+            return
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(x.to(torch.float64), dim=dims, correction=0)
+        m2 = var * n
+        if self.mean is None or self.m2 is None:
+            self.count, self.mean, self.m2 = n, mean, m2
+            return
+        # Chan et al.'s pairwise update; E[x²]−E[x]² would cancel catastrophically when |mean| ≫ std.
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (n / total)
+        self.m2 = self.m2 + m2 + delta.square() * (self.count * n / total)
+        self.count = total
+
+    def moments(self, layer: _BatchNorm) -> Moments:
+        # A replica that saw no value still joins the merge, with zeros.
+        assert layer.running_mean is not None, "only a layer that tracks running statistics accumulates"
+        zeros = torch.zeros(layer.num_features, dtype=torch.float64, device=layer.running_mean.device)
+        mean, m2 = (self.mean, self.m2) if self.mean is not None and self.m2 is not None else (zeros, zeros)
+        return self.count, mean, m2
+
+
+def _deferral(module: nn.Module) -> _Deferral | None:
+    return module.__dict__.get(_ATTRIBUTE)
+
+
+def is_deferred(module: nn.Module) -> bool:
+    """Whether ``module``'s running statistics are deferred (see :func:`convert_deferred_batch_norm`)."""
+    return _deferral(module) is not None
+
+
+@torch.no_grad()
+def _blend(buffer: torch.Tensor, value: torch.Tensor, factor: float) -> None:
+    # nn.BatchNorm's update, in float64: the merged statistics must not lose the digits Chan's formula kept.
+    buffer.copy_((buffer.to(torch.float64) * (1.0 - factor) + value.to(buffer.device) * factor).to(buffer.dtype))
+
+
+class _Normalizations(TorchFunctionMode):
+    """Active during a deferred layer's own forward: the batch normalizations that would update its running
+    statistics normalize alike but leave them alone (their statistics are accumulated), or with :attr:`sync_group`
+    use the statistics of the replicas together. Everything else the forward does runs as written."""
+
+    def __init__(self, layer: _BatchNorm, state: _Deferral, deferring: bool) -> None:
+        super().__init__()
+        self.layer, self.state, self.deferring = layer, state, deferring
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        names = _SIGNATURES.get(func)
+        if names is not None:
+            call = {**_DEFAULTS, **dict(zip(names, args)), **kwargs}
+            if call["training"] and call["running_mean"] is self.layer._buffers.get("running_mean"):
+                return self._normalize(call["input"], call["weight"], call["bias"], call["eps"], call["momentum"])
+        return func(*args, **kwargs)
+
+    def _normalize(
+        self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, factor: float
+    ) -> torch.Tensor:
+        state, layer = self.state, self.layer
+        tracks = layer.running_mean is not None and layer.running_var is not None
+        if state.sync_group is None:
+            # Normalize first: it rejects a micro-batch with a single value per channel before anything accumulates.
+            output = F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+            if tracks and not is_recomputing():
+                state.accumulate(x.detach(), factor)
+            return output
+        # A recompute re-issues its micro-batch's collectives to get the same statistics again; that stays in step
+        # because every replica recomputes the same micro-batches in the same order (same M, same schedule).
+        output, count, mean, var = sync_batch_norm(x, weight, bias, eps, state.sync_group)
+        if not tracks or is_recomputing():
+            return output
+        if self.deferring:
+            state.accumulate(x.detach(), factor)
+        else:  # like nn.SyncBatchNorm: the running statistics of the global batch, at once
+            assert layer.running_mean is not None and layer.running_var is not None
+            _blend(layer.running_mean, mean.double(), factor)
+            _blend(layer.running_var, (var * (count / (count - 1).clamp_min(1))).double(), factor)
+        return output
+
+
+# A forward under way: interception, deferring?, num_batches_tracked before, running statistics and their versions.
+_Open = tuple[_Normalizations, bool, torch.Tensor | None, list[tuple[torch.Tensor | None, int]]]
+
+
+def _statistics(layer: _BatchNorm) -> list[tuple[torch.Tensor | None, int]]:
+    return [(b, _version(b)) for b in (layer._buffers.get("running_mean"), layer._buffers.get("running_var"))]
+
+
+def _before(layer: _BatchNorm, args: Any) -> None:
+    state = _deferral(layer)
+    if state is None or not layer.training:
+        return
+    # A recompute re-runs a micro-batch of a deferred forward phase: normalize the same way, but never update.
+    deferring = is_deferring() or is_recomputing()
+    if state.sync_group is None and (not deferring or layer.running_mean is None):
+        return
+    tracked = layer._buffers.get("num_batches_tracked")
+    if deferring and tracked is not None:
+        # The forward counts its batch on a stand-in: the count, like the statistics, moves once per mini-batch.
+        layer._buffers["num_batches_tracked"] = tracked.clone()
+    mode = _Normalizations(layer, state, deferring)
+    state.open = (mode, deferring, tracked, _statistics(layer))
+    mode.__enter__()
+
+
+def _after(layer: _BatchNorm, args: Any, output: Any) -> None:
+    state = _deferral(layer)
+    if state is None or state.open is None:
+        return
+    mode, deferring, tracked, statistics = state.open
+    state.open = None
+    mode.__exit__(None, None, None)
+    if not deferring:
+        return
+    if not is_recomputing() and layer.running_mean is not None:
+        state.accumulated = True
+        if tracked is not None:
+            state.tracked = layer._buffers["num_batches_tracked"]
+    if tracked is not None:
+        layer._buffers["num_batches_tracked"] = tracked
+    if any(b is not a or v != w for (a, v), (b, w) in zip(statistics, _statistics(layer))):
+        raise RuntimeError(
+            f"deferred_batch_norm: {type(layer).__qualname__}.forward updates its running statistics other than "
+            "through F.batch_norm, so the pipeline cannot defer them to one update per mini-batch. Pass "
+            "deferred_batch_norm=False to GPipeStrategy or GPipeStage: the layer then runs as written on each "
+            "micro-batch, the same run as on one device at chunks=1; at chunks > 1 it updates its running "
+            "statistics once per micro-batch, with that micro-batch's statistics"
+        )
+
+
+def _defer(layer: _BatchNorm) -> None:
+    if is_deferred(layer):
+        return
+    object.__setattr__(layer, _ATTRIBUTE, _Deferral())
+    # Inside the hooks the layer already has: those run outside the interception, as they would without it.
+    layer.register_forward_pre_hook(_before)
+    layer.register_forward_hook(_after, prepend=True, always_call=True)
+
+
+def _undefer(layer: nn.Module) -> None:
+    layer.__dict__.pop(_ATTRIBUTE, None)
+    for hooks, hook in ((layer._forward_pre_hooks, _before), (layer._forward_hooks, _after)):
+        for key in [key for key, h in hooks.items() if h is hook]:
+            del hooks[key]
+            layer._forward_hooks_always_called.pop(key, None)
 
 
 class DeferredBatchNorm(_BatchNorm):
     """BatchNorm that normalizes each micro-batch with its own statistics (as GPipe does) but updates the running
-    statistics once per mini-batch, exactly as nn.BatchNorm would on the whole mini-batch.
+    statistics once per mini-batch, exactly as nn.BatchNorm would on the whole mini-batch; for input of any
+    dimension ≥ 2. A pipeline defers every BatchNorm in place (:func:`convert_deferred_batch_norm`): this class is
+    the same layer, deferred from the start.
 
     With :attr:`sync_group` set (see :func:`sync_deferred_batch_norm`), training normalizes micro-batch m with the
     statistics of the m-th micro-batches of all data-parallel replicas together, and the running statistics become
@@ -79,104 +263,23 @@ class DeferredBatchNorm(_BatchNorm):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        # Plain attributes, not buffers: the state dict must stay that of nn.BatchNorm. The d of the BatchNormNd
-        # this layer replaced, or else the dimensions of its first input: what revert_deferred_batch_norm gives back.
-        self._replaced_dims: int | None = None
+        # A plain attribute, not a buffer: the dimensions of its first input, what revert_deferred_batch_norm gives.
         self._seen_ndim: int | None = None
-        self.sync_group: dist.ProcessGroup | None = None
-        self._reset_accumulators()
+        _defer(self)
 
-    def __getstate__(self) -> dict:
-        # A process group can be neither pickled nor deep-copied: a copy starts unsynced, like a fresh layer.
-        return {**super().__getstate__(), "sync_group": None}
-
-    def _reset_accumulators(self) -> None:
-        self._accumulated = False  # since the last commit; with sync, the replicas agree on this, not on the count
-        self._count = 0
-        self._mean: torch.Tensor | None = None
-        self._m2: torch.Tensor | None = None
-
-    def reset_running_stats(self) -> None:
-        super().reset_running_stats()
-        self._reset_accumulators()
+    @property
+    def sync_group(self) -> dist.ProcessGroup | None:
+        deferral = _deferral(self)
+        return None if deferral is None else deferral.sync_group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
-        if self._replaced_dims is None:
+        if self._seen_ndim is None:
             self._seen_ndim = input.dim()
-        # A recompute re-runs a micro-batch of a deferred forward phase: normalize the same way, but never update.
-        deferring = (is_deferring() or is_recomputing()) and self.training
-        if self.sync_group is not None and self.training:
-            return self._synced_forward(input, deferring)
-        if not deferring or self.running_mean is None or self.running_var is None:
-            return super().forward(input)
-        # Normalize first: it rejects a micro-batch with a single value per channel before anything is accumulated.
-        output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        if not is_recomputing():
-            self._accumulate(input.detach())
-        return output
-
-    def _synced_forward(self, input: torch.Tensor, deferring: bool) -> torch.Tensor:
-        # A recompute re-issues its micro-batch's collectives to get the same statistics again; that stays in step
-        # because every replica recomputes the same micro-batches in the same order (same M, same schedule).
-        assert self.sync_group is not None
-        output, count, mean, var = sync_batch_norm(input, self.weight, self.bias, self.eps, self.sync_group)
-        if self.running_mean is None or is_recomputing():
-            return output
-        if deferring:
-            self._accumulate(input.detach())
-        else:  # like nn.SyncBatchNorm: the running statistics of the global batch, at once
-            with torch.no_grad():
-                self._update_running(mean.double(), (var * (count / (count - 1).clamp_min(1))).double())
-        return output
-
-    @torch.no_grad()
-    def _accumulate(self, x: torch.Tensor) -> None:
-        self._accumulated = True
-        n = x.numel() // x.shape[1]
-        if n == 0:
-            return
-        dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x.to(torch.float64), dim=dims, correction=0)
-        m2 = var * n
-        if self._mean is None or self._m2 is None:
-            self._count, self._mean, self._m2 = n, mean, m2
-            return
-        # Chan et al.'s pairwise update; E[x²]−E[x]² would cancel catastrophically when |mean| ≫ std.
-        total = self._count + n
-        delta = mean - self._mean
-        self._mean = self._mean + delta * (n / total)
-        self._m2 = self._m2 + m2 + delta.square() * (self._count * n / total)
-        self._count = total
-
-    def _moments(self) -> Moments:
-        # A replica that saw no value still joins the merge, with zeros.
-        assert self.running_mean is not None, "only a layer that tracks running statistics accumulates"
-        zeros = torch.zeros(self.num_features, dtype=torch.float64, device=self.running_mean.device)
-        mean, m2 = (self._mean, self._m2) if self._mean is not None and self._m2 is not None else (zeros, zeros)
-        return self._count, mean, m2
-
-    @torch.no_grad()
-    def _fold(self, count: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        self._reset_accumulators()
-        if count > 0:
-            # nn.BatchNorm tracks the unbiased variance; a lone value per channel never gets here (it is rejected).
-            self._update_running(mean, m2 / max(count - 1, 1))
-
-    def _update_running(self, mean: torch.Tensor, unbiased: torch.Tensor) -> None:
-        assert self.running_mean is not None and self.running_var is not None
-        # Mirrors nn.BatchNorm.forward, including its factor when num_batches_tracked is missing.
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        for buffer, value in ((self.running_mean, mean), (self.running_var, unbiased)):
-            updated = buffer.to(torch.float64) * (1.0 - factor) + value.to(buffer.device) * factor
-            buffer.copy_(updated.to(buffer.dtype))
+        return super().forward(input)
 
     def commit(self) -> None:
         """Fold the accumulated micro-batches into the running statistics as one nn.BatchNorm step, then reset.
@@ -187,17 +290,37 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module) -> nn.Module:
-        """Replace every nn.BatchNorm1d/2d/3d inside ``module`` (or ``module`` itself) by a DeferredBatchNorm."""
-        if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
-            converted = _rebuild(module, cls)
-            converted._replaced_dims = next(d for d, kind in _BATCH_NORMS.items() if isinstance(module, kind))
-            return converted
-        for name, child in list(module.named_children()):
-            module.add_module(name, cls.convert_deferred_batch_norm(child))
-        return module
+        """Same as :func:`convert_deferred_batch_norm`."""
+        return convert_deferred_batch_norm(module)
 
 
-def _rebuild(source: _BatchNorm, kind: type[_AnyBatchNorm]) -> _AnyBatchNorm:
+def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """Defer the running statistics of every BatchNorm inside ``module`` (or ``module`` itself), in place.
+
+    Each layer keeps its class, its forward (a subclass's activation, as timm's ``BatchNormAct2d``, included), its
+    parameters and buffers, and so its state-dict keys and every reference to it. Inside a pipeline's forward phase
+    the batch normalization its forward runs (``F.batch_norm`` on its running statistics) normalizes with the
+    micro-batch's statistics and accumulates them; the commit after the phase then updates the running statistics
+    and ``num_batches_tracked`` as that forward would have on the whole mini-batch. Returns ``module``.
+    """
+    for layer in module.modules():
+        if isinstance(layer, _BatchNorm):
+            _defer(layer)
+    return module
+
+
+def revert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """Undo :func:`convert_deferred_batch_norm` in ``module`` (or ``module`` itself); a :class:`DeferredBatchNorm`
+    is replaced by the nn.BatchNorm of the dimensions it saw (2d if none). Statistics not committed are dropped."""
+    if isinstance(module, DeferredBatchNorm):
+        return _rebuild(module, _BATCH_NORMS[{2: 1, 3: 1, 4: 2, 5: 3}.get(module._seen_ndim or 4, 2)])
+    _undefer(module)
+    for name, child in list(module.named_children()):
+        module.add_module(name, revert_deferred_batch_norm(child))
+    return module
+
+
+def _rebuild(source: _BatchNorm, kind: type[_BatchNorm]) -> _BatchNorm:
     # Built on meta, then handed the source's own parameters and buffers: optimizers and weight ties keep working.
     target = kind(
         source.num_features,
@@ -215,74 +338,63 @@ def _rebuild(source: _BatchNorm, kind: type[_AnyBatchNorm]) -> _AnyBatchNorm:
     return target
 
 
-def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
-    """Replace every nn.BatchNorm1d/2d/3d inside ``module`` (or ``module`` itself) by a DeferredBatchNorm."""
-    return DeferredBatchNorm.convert_deferred_batch_norm(module)
+def _deferred_layers(module: nn.Module) -> Iterator[tuple[_BatchNorm, _Deferral]]:
+    for layer in module.modules():
+        state = _deferral(layer)
+        if state is not None:
+            assert isinstance(layer, _BatchNorm)
+            yield layer, state
 
 
-def revert_deferred_batch_norm(module: nn.Module) -> nn.Module:
-    """Replace every DeferredBatchNorm inside ``module`` (or ``module`` itself) by the nn.BatchNorm it stands for.
-
-    Statistics accumulated but not committed are dropped.
-    """
-    if isinstance(module, DeferredBatchNorm):
-        dims = module._replaced_dims if module._replaced_dims is not None else _dims_of(module._seen_ndim)
-        return _rebuild(module, _BATCH_NORMS[dims])
-    for name, child in list(module.named_children()):
-        module.add_module(name, revert_deferred_batch_norm(child))
-    return module
+@torch.no_grad()
+def _fold(layer: _BatchNorm, state: _Deferral, moments: Moments) -> None:
+    count, mean, m2 = moments
+    factor, tracked = state.factor, state.tracked
+    state.reset()
+    if count > 0 and layer.running_mean is not None and layer.running_var is not None:
+        # nn.BatchNorm tracks the unbiased variance; a lone value per channel never gets here (it is rejected).
+        _blend(layer.running_mean, mean, factor)
+        _blend(layer.running_var, m2 / max(count - 1, 1), factor)
+    if tracked is not None and layer.num_batches_tracked is not None:
+        layer.num_batches_tracked.copy_(tracked)
 
 
 def commit_deferred_batch_norm(module: nn.Module) -> None:
-    """Commit the accumulated statistics of every DeferredBatchNorm inside ``module``.
+    """Commit the accumulated statistics of every deferred BatchNorm inside ``module``.
 
     Layers with a :attr:`~DeferredBatchNorm.sync_group` first merge their statistics over it, in one all_gather per
     group: every replica must call this at the same point (after each forward phase) with the same layers.
     """
-    synced: dict[int, tuple[dist.ProcessGroup, list[DeferredBatchNorm]]] = {}
-    for bn in module.modules():
-        if not isinstance(bn, DeferredBatchNorm) or not bn._accumulated:
+    synced: dict[int, tuple[dist.ProcessGroup, list[tuple[_BatchNorm, _Deferral]]]] = {}
+    for layer, state in _deferred_layers(module):
+        if not state.accumulated:
             continue
-        if bn.sync_group is None:
-            bn._fold(*bn._moments())
+        if state.sync_group is None:
+            _fold(layer, state, state.moments(layer))
         else:
-            synced.setdefault(id(bn.sync_group), (bn.sync_group, []))[1].append(bn)
+            synced.setdefault(id(state.sync_group), (state.sync_group, []))[1].append((layer, state))
     for group, norms in synced.values():
-        for bn, moments in zip(norms, merge_moments([bn._moments() for bn in norms], group)):
-            bn._fold(*moments)
+        for (layer, state), moments in zip(norms, merge_moments([s.moments(bn) for bn, s in norms], group)):
+            _fold(layer, state, moments)
 
 
 def check_replicas_run_the_same_m(module: nn.Module, M: int, device: torch.device) -> None:
     """Synced BatchNorm issues collectives per micro-batch: replicas running different M would fall out of step and
     wait until the timeout, so they first compare M (one all_gather per group, only while a synced layer trains)."""
-    groups = {
-        id(bn.sync_group): bn.sync_group
-        for bn in module.modules()
-        if isinstance(bn, DeferredBatchNorm) and bn.sync_group is not None and bn.training
-    }
+    groups = {id(g): g for bn, s in _deferred_layers(module) if (g := s.sync_group) is not None and bn.training}
     for group in groups.values():
-        mine = torch.tensor([M], device=device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, mine, group=group)
-        counts = [int(t.item()) for t in every]
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"sync_batchnorm: the data-parallel replicas would split their batches into different numbers of "
-                f"micro-batches (M = {counts}, one per replica), and synced BatchNorm needs the same M on every "
-                "replica. A replica got fewer samples than chunks: give every replica the same batch size (Lightning's "
-                "DistributedSampler does; drop_last=True avoids a short last batch), or lower chunks"
-            )
+        check_same_m(M, group, device)
 
 
 def sync_deferred_batch_norm(module: nn.Module, group: dist.ProcessGroup | None) -> int:
-    """Synchronize every DeferredBatchNorm inside ``module`` over the data-parallel ``group`` (None or a group of one
-    rank turns it off); returns how many layers were set.
+    """Synchronize every deferred BatchNorm inside ``module`` over the data-parallel ``group`` (None or a group of
+    one rank turns it off); returns how many layers were set.
 
     Pass the group of the replicas of this stage, the ranks holding the same layers in the other pipelines.
     """
     if group is not None and dist.get_world_size(group) <= 1:
         group = None
-    norms = [bn for bn in module.modules() if isinstance(bn, DeferredBatchNorm)]
-    for bn in norms:
-        bn.sync_group = group
+    norms = list(_deferred_layers(module))
+    for _, state in norms:
+        state.sync_group = group
     return len(norms)

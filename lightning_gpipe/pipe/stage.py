@@ -58,7 +58,8 @@ class GPipeStage(nn.Module):
         upstream_group: a second group over the same ranks for the tensors that flow to lower stages (gradients):
             NCCL runs one group's transfers in posting order, so both directions on one group would deadlock (made
             for you over the world; needed with an NCCL subgroup; gloo uses ``group`` for both, see ``transport``).
-        deferred_batch_norm: turn BatchNorm layers into :class:`DeferredBatchNorm`.
+        deferred_batch_norm: defer the running statistics of every BatchNorm layer, in place (subclasses keep their
+            forward; see :func:`~lightning_gpipe.pipe.batchnorm.convert_deferred_batch_norm`).
         output: ``"last"`` returns the output on the last stage only; ``"all"`` on every stage; ``"placeholder"``
             gives the other stages zeros of the same structure, shapes and dtypes (no tensor data crosses).
             Settable later as :attr:`output_mode`.

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Moments", "all_reduce_sum", "merge_moments", "sync_batch_norm"]
+__all__ = ["Moments", "all_reduce_sum", "check_same_m", "merge_moments", "sync_batch_norm"]
 
 # Per-channel (count, mean, M2 = Σ(x − mean)²) of the samples seen, mean and M2 in float64.
 Moments = tuple[int, torch.Tensor, torch.Tensor]
@@ -100,3 +100,18 @@ def merge_moments(moments: Sequence[Moments], group: dist.ProcessGroup) -> list[
         m2 = (m2s + counts * (means - global_mean).square()).sum(0)
         merged.append((round(total), global_mean.to(mean.device), m2.to(mean.device)))
     return merged
+
+
+def check_same_m(M: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Raise on every replica of ``group`` unless all split their batch into the same M micro-batches."""
+    mine = torch.tensor([M], device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    counts = [int(t.item()) for t in every]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"sync_batchnorm: the data-parallel replicas would split their batches into different numbers of "
+            f"micro-batches (M = {counts}, one per replica), and synced BatchNorm needs the same M on every "
+            "replica. A replica got fewer samples than chunks: give every replica the same batch size (Lightning's "
+            "DistributedSampler does; drop_last=True avoids a short last batch), or lower chunks"
+        )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy as copy_module
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,7 @@ from lightning_gpipe.pipe.batchnorm import (
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
     deferred_statistics,
+    is_deferred,
     is_deferring,
     revert_deferred_batch_norm,
 )
@@ -217,43 +221,52 @@ def test_convert_and_revert_nested() -> None:
     keys = list(net.state_dict())
     original = {k: v.clone() for k, v in net.state_dict().items()}
     tensors = {n: id(t) for n, t in [*net.named_parameters(), *net.named_buffers()]}
+    layers = {name: (type(m), m) for name, m in net.named_modules()}
     block = net[2][1]
 
     converted = convert_deferred_batch_norm(net)
     assert converted is net
-    assert type(net[1]) is DeferredBatchNorm
-    assert type(block.bn1d) is DeferredBatchNorm and type(block.bn3d) is DeferredBatchNorm
-    assert type(block.frozen) is DeferredBatchNorm and not block.frozen.training
-    assert type(block.sync) is nn.SyncBatchNorm and type(block.group) is nn.GroupNorm
-    assert (block.bn3d.momentum, block.bn3d.eps, block.frozen.affine) == (None, 1e-3, False)
+    # Deferred in place: every layer keeps its class and identity (so references held elsewhere still hold it).
+    assert {name: (type(m), m) for name, m in net.named_modules()} == layers
+    norms = [net[1], block.bn1d, block.bn3d, block.frozen, block.sync]
+    assert all(is_deferred(m) for m in norms) and not is_deferred(block.group) and not block.frozen.training
     assert list(net.state_dict()) == keys
     assert {n: id(t) for n, t in [*net.named_parameters(), *net.named_buffers()]} == tensors
     model().load_state_dict(net.state_dict(), strict=True)
     net.load_state_dict(original, strict=True)
+    assert convert_deferred_batch_norm(net) is net and len(net[1]._forward_pre_hooks) == 1  # idempotent
 
     reverted = revert_deferred_batch_norm(net)
     assert reverted is net
-    assert [type(m) for m in (net[1], block.bn1d, block.bn3d, block.frozen)] == [
-        nn.BatchNorm2d,
-        nn.BatchNorm1d,
-        nn.BatchNorm3d,
-        nn.BatchNorm2d,
-    ]
+    assert {name: (type(m), m) for name, m in net.named_modules()} == layers
+    assert not any(is_deferred(m) or m._forward_pre_hooks or m._forward_hooks for m in norms)
     assert list(net.state_dict()) == keys
     assert {n: id(t) for n, t in [*net.named_parameters(), *net.named_buffers()]} == tensors
-    convert_deferred_batch_norm(model()).load_state_dict(net.state_dict(), strict=True)
     for key, value in net.state_dict().items():
         torch.testing.assert_close(value, original[key], rtol=0, atol=0)
 
 
 def test_convert_batch_norm_given_directly() -> None:
     bn = nn.BatchNorm1d(C, momentum=0.3).eval()
-    deferred = DeferredBatchNorm.convert_deferred_batch_norm(bn)
-    assert type(deferred) is DeferredBatchNorm
-    assert deferred.weight is bn.weight and deferred.running_var is bn.running_var
-    assert (deferred.momentum, deferred.training) == (0.3, False)
-    assert type(revert_deferred_batch_norm(deferred)) is nn.BatchNorm1d
-    assert convert_deferred_batch_norm(deferred) is deferred
+    assert DeferredBatchNorm.convert_deferred_batch_norm(bn) is bn and is_deferred(bn)
+    assert (bn.momentum, bn.training) == (0.3, False)
+    assert revert_deferred_batch_norm(bn) is bn and not is_deferred(bn)
+    deferred = DeferredBatchNorm(C)
+    assert is_deferred(deferred) and convert_deferred_batch_norm(deferred) is deferred
+    assert type(revert_deferred_batch_norm(deferred)) is nn.BatchNorm2d
+
+
+def test_copies_stay_deferred() -> None:
+    # A deep copy or a pickle of a deferred layer defers too, with its own accumulators.
+    reference, bn = nn.BatchNorm2d(C), nn.BatchNorm2d(C)
+    convert_deferred_batch_norm(bn)
+    for copy in (copy_module.deepcopy(bn), pickle.loads(pickle.dumps(bn))):
+        assert type(copy) is nn.BatchNorm2d and is_deferred(copy)
+        pipeline_step(copy, batch(8, (4, 4), seed=7), 4)
+        assert bn.num_batches_tracked.item() == 0
+        reference.load_state_dict(bn.state_dict())
+        reference(batch(8, (4, 4), seed=7))
+        assert_same_stats(copy, reference)
 
 
 @pytest.mark.parametrize(("ndim", "kind"), [(None, nn.BatchNorm2d), (3, nn.BatchNorm1d), (5, nn.BatchNorm3d)])

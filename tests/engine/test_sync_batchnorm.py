@@ -1,4 +1,4 @@
-"""DeferredBatchNorm synced over data-parallel replicas: the step of nn.BatchNorm on the union of their batches."""
+"""Deferred BatchNorm synced over data-parallel replicas: the step of nn.BatchNorm on the union of their batches."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.batchnorm import (
-    DeferredBatchNorm,
+    _deferral,
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
     deferred_statistics,
+    is_deferred,
     sync_deferred_batch_norm,
 )
 from lightning_gpipe.pipe.grads import BucketedAllReduce
@@ -123,7 +124,7 @@ def pipeline_case(K: int, groups: tuple[dist.ProcessGroup, dist.ProcessGroup], m
     ref = copy.deepcopy(model)
     full = {i: copy.deepcopy(ref[i]) for i in BNS}
     stage = GPipeStage(model, chunks=M, balance=BALANCE[K], checkpoint=mode, group=pipe_group, output="last")
-    norms = [m for m in stage.modules() if isinstance(m, DeferredBatchNorm)]
+    norms = [m for m in stage.modules() if is_deferred(m)]
     synced = sync_deferred_batch_norm(stage, dp_group)
     dp_reduce = BucketedAllReduce(list(stage.parameters()), dp_group)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
@@ -155,7 +156,7 @@ def pipeline_case(K: int, groups: tuple[dist.ProcessGroup, dist.ProcessGroup], m
         errs["weight"] = max(errs["weight"], rel_err(p.detach(), ref_params[name].detach()))
     stats = {}
     for name, bn in stage.named_children():
-        if isinstance(bn, DeferredBatchNorm):
+        if is_deferred(bn):
             want = full[int(name)]
             errs["mean"] = max(errs["mean"], rel_err(bn.running_mean, want.running_mean))
             errs["var"] = max(errs["var"], rel_err(bn.running_var, want.running_var))
@@ -226,6 +227,12 @@ def sample(n: int, seed: int, offset: float) -> torch.Tensor:
     return offset + torch.tensor([0.5, 1.0, 2.0]).view(1, 3, 1, 1) * torch.randn(n, 3, 2, 2, generator=g)
 
 
+def group_of(bn: nn.Module) -> dist.ProcessGroup | None:
+    deferral = _deferral(bn)
+    assert deferral is not None
+    return deferral.sync_group
+
+
 def plain_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Outside a pipeline a synced forward is nn.SyncBatchNorm; a deferred one merges float64 moments of replicas."""
     own = [dist.new_group([r]) for r in range(world_size)][rank]
@@ -235,9 +242,9 @@ def plain_worker(rank: int, world_size: int) -> dict[str, Any]:
         ref.weight.uniform_(0.5, 1.5)
         ref.bias.uniform_(-0.5, 0.5)
     bn = convert_deferred_batch_norm(copy.deepcopy(ref))
-    result: dict[str, Any] = {"off": sync_deferred_batch_norm(bn, own), "off_group": bn.sync_group is None}
+    result: dict[str, Any] = {"off": sync_deferred_batch_norm(bn, own), "off_group": group_of(bn) is None}
     result["on"] = sync_deferred_batch_norm(nn.Sequential(nn.ReLU(), bn), dist.group.WORLD)
-    result["copy_unsynced"] = copy.deepcopy(bn).sync_group is None and pickle.loads(pickle.dumps(bn)).sync_group is None
+    result["copy_unsynced"] = group_of(copy.deepcopy(bn)) is None and group_of(pickle.loads(pickle.dumps(bn))) is None
     errs = {"out": 0.0, "x_grad": 0.0, "w_grad": 0.0, "b_grad": 0.0, "mean": 0.0, "var": 0.0, "eval": 0.0}
     calls = count_collectives(dist.group.WORLD)
     for step, sizes in enumerate([(3, 5), (4, 2)]):
