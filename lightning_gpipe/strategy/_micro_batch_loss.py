@@ -318,7 +318,17 @@ class MicroBatchLoss:
                 "batch), called in training_step as self.pipeline_loss(self.backbone(x), batch); define it, or "
                 "micro_batch_loss='auto'"
             )
-        return cls(*args) if defined and setting is not False else None
+        inside = defined and setting is not False
+        schedule = args[1]
+        if not inside and schedule != "gpipe":
+            why = "micro_batch_loss=False" if defined else f"{type(module).__name__} defines no pipeline_loss"
+            raise ValueError(
+                f"GPipeStrategy(schedule={schedule!r}) orders the micro-batches of a step with the loss inside the "
+                f"pipeline, but {why}: the loss runs outside, after every micro-batch's forward (GPipe's order). "
+                "Define pipeline_loss(self, output, batch) and call self.pipeline_loss(self.backbone(x), batch) in "
+                "training_step to use it, or leave schedule='gpipe'"
+            )
+        return cls(*args) if inside else None
 
     def _check_closure_loss(self, closure_loss: Tensor, accumulate: int) -> None:
         """The loss Lightning back-propagates must be pipeline_loss's (÷ ``accumulate`` in automatic optimization):

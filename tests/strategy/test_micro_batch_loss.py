@@ -209,3 +209,13 @@ def misuse_worker(rank: int, world_size: int, kind: str) -> str:
 def test_misuse_fails_on_every_rank_with_the_fix(kind: str, says: str) -> None:
     for rank, message in enumerate(run_distributed(misuse_worker, 2, kind, timeout=180, lightning=True)):
         assert says in message, (rank, message)
+
+
+@pytest.mark.parametrize(("module", "setting"), [(TinyPipelined(), "auto"), (HookModule(), False)])
+def test_a_schedule_with_the_loss_outside_is_refused(module: Any, setting: Any) -> None:
+    """schedule='1f1b' orders the loss-inside step only; with the loss outside it would silently run GPipe's order."""
+    from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
+
+    with pytest.raises(ValueError, match=r"schedule='1f1b'.*loss runs outside.*leave schedule='gpipe'"):
+        MicroBatchLoss.choose(module, setting, None, "1f1b")
+    assert MicroBatchLoss.choose(module, setting, None, "gpipe") is None
