@@ -93,7 +93,8 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         micro_batch_loss: ``"auto"`` runs ``pipeline_loss`` inside the pipeline where the module defines it;
             ``True`` requires it, ``False`` keeps the loss on the whole output.
         schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (at most
-            K − k micro-batches held on stage k: less memory, measured a little slower).
+            K − k micro-batches held on stage k instead of M: less activation memory, the same bubble; measured in
+            ``benchmarks/README.md``).
         dp_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket), ``"hierarchical"``
             (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back; the same means to
             fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and span several.
