@@ -15,7 +15,9 @@ import lightning_gpipe.pipe.train_step as train_step_module
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.errors import PipelineError
 from lightning_gpipe.pipe.train_step import OPS, LossFn, keeps_graph, one_f_one_b_ops
-from tests.engine.test_parity import (
+from tests.helpers import models
+from tests.helpers.launch import run_distributed
+from tests.helpers.parity import (
     BALANCES,
     MICRO,
     MODES,
@@ -26,8 +28,6 @@ from tests.engine.test_parity import (
     compare_running_stats,
     rel_err,
 )
-from tests.helpers import models
-from tests.helpers.launch import run_distributed
 
 
 def simulate(schedule: str, K: int, M: int) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gpipe.pipe.partition import costs_by_time
 from lightning_gpipe.strategy._balance import (
@@ -21,10 +21,9 @@ from lightning_gpipe.strategy._balance import (
     no_example,
     plan_balance,
 )
+from tests.helpers.balance_models import BATCH, LR, STEPS, D, Uneven, dataset, uneven_backbone
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.models import Busy
-
-D, N_SAMPLES, BATCH, STEPS, LR = 8, 64, 8, 3, 0.1  # 3 steps within the first epoch at dp 2
 
 
 class SlowElsewhere(nn.Module):
@@ -68,11 +67,6 @@ class Timed(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
-
-
-def dataset() -> TensorDataset:
-    g = torch.Generator().manual_seed(3)
-    return TensorDataset(torch.randn(N_SAMPLES, D, generator=g), torch.randn(N_SAMPLES, D, generator=g))
 
 
 def reference(dp: int) -> dict[str, torch.Tensor]:
@@ -204,45 +198,6 @@ def test_time_balance_splits_a_time_major_input_along_its_batch_dimension() -> N
     module.backbone[0].register_forward_pre_hook(lambda _, args: seen.append(tuple(args[0].shape)))
     layer_costs(module, module.backbone, "time", 4, torch.device("cpu"), batch_dim=1)
     assert set(seen) == {(3, BATCH // 4, D)}, seen
-
-
-SPREAD = 32
-
-
-class Spread(nn.Module):
-    """(N, D) → (N, 32, D): no parameters, but the Linear after it does 32 times the FLOPs of one on (N, D)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(1).repeat(1, SPREAD, 1)
-
-
-class Pool(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean(dim=1)
-
-
-def uneven_backbone() -> nn.Sequential:
-    """The exact split at K=2 is [3, 4] by parameters (Spread and Pool have none) and [5, 2] by FLOPs."""
-    torch.manual_seed(11)
-    return nn.Sequential(*[nn.Linear(D, D) for _ in range(4)], Spread(), nn.Linear(D, D), Pool())
-
-
-class Uneven(pl.LightningModule):
-    def __init__(self, example: bool = True) -> None:
-        super().__init__()
-        self.backbone = uneven_backbone()
-        if example:
-            self.example_input_array = torch.randn(BATCH, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backbone(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
 
 
 def uneven_reference() -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from lightning_gpipe.strategy._balance import Plan, plan_balance, shown_costs
 from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel, stage_ranks
+from tests.helpers.balance_models import BATCH, SPREAD, D, Uneven, dataset
 from tests.helpers.launch import quiet_trainer, run_distributed
-from tests.strategy.test_balance import BATCH, SPREAD, D, Uneven, dataset
 
 
 def report_of(module: nn.Module, balance: object, counts: list[int]) -> PartitionReport:
