@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # Event kinds a stage records: its compute, its communication ("send" queues a message, "recv-wait" waits for one),
 # "step" spans one whole forward or backward phase, "status" is the check at its end that every stage finished it
@@ -146,14 +147,12 @@ def read_chrome_trace(path: str | os.PathLike) -> list[Event]:
     ]
 
 
-def gather_events(timeline: Timeline, group=None, origin_ns: int = 0) -> list[Event]:
+def gather_events(timeline: Timeline, group: dist.ProcessGroup | None = None, origin_ns: int = 0) -> list[Event]:
     """Collect every stage's events on every rank of ``group`` (a collective: all ranks must call it).
 
     ``origin_ns`` is subtracted from this rank's times first: give each rank its clock reading at a common moment
     (just after a barrier) and stages on different hosts line up too.
     """
-    import torch.distributed as dist
-
     mine = [{**asdict(e), "start_ns": e.start_ns - origin_ns, "end_ns": e.end_ns - origin_ns} for e in timeline.events]
     if not dist.is_initialized():
         return sorted((Event(**e) for e in mine), key=lambda e: e.start_ns)
