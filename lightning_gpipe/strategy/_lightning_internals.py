@@ -1,4 +1,4 @@
-"""Every private Lightning and torchmetrics API the strategy relies on, named once, so an upgrade fails in one place.
+"""Every private Lightning, torchmetrics and torch API the strategy relies on, named once: an upgrade fails here.
 
 ``tests/strategy/test_lightning_internals.py`` pins each of them (it exists, with the signature or behaviour relied
 on). Kept here, and why no public API does it:
@@ -15,6 +15,9 @@ on). Kept here, and why no public API does it:
 - ``set_forward_cache``, ``update_count``, ``local_compute``: the loss inside the pipeline updates metrics per
   micro-batch on the last stage and adds the step's increment to every rank's copy (``Metric.merge_state``, public);
   the step value, the count of updates and a compute without the cross-process sync have no public setter.
+- ``broadcast_coalesced``: torch's ``dist._broadcast_coalesced`` (what DDP syncs module states with) broadcasts many
+  small tensors (logged values, the weights copied on every stage) in a few buckets; the public ``broadcast`` is one
+  collective per tensor.
 - ``route_norm_clipping``: Lightning clips through the precision plugin, with a local norm and no strategy hook;
   a pipeline needs the norm of the whole model across stages.
 - ``summarize_with``: the ``ModelSummary`` callback builds its summary in ``_summary`` (DeepSpeed's stage-3 summary
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
     _init_dist_connection,
@@ -68,9 +72,16 @@ all_gather_ddp_if_available = _all_gather_ddp_if_available
 # Every optimizer's state tensors moved to the device (checkpoints restore them on the CPU).
 optimizers_to_device = _optimizers_to_device
 
+
+def broadcast_coalesced(group: dist.ProcessGroup, tensors: list[Tensor], bucket_bytes: int, src: int) -> None:
+    """``tensors`` overwritten in place with group rank ``src``'s, flattened into buckets of ``bucket_bytes``."""
+    dist._broadcast_coalesced(group, tensors, bucket_bytes, src)
+
+
 __all__ = [
     "SubprocessScriptLauncher",
     "all_gather_ddp_if_available",
+    "broadcast_coalesced",
     "forward_cache",
     "init_dist_connection",
     "layer_sync_requested",

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_gpipe.pipe import GPipeStage, PipelineError
-from lightning_gpipe.strategy._lightning_internals import forward_cache, logged_values
+from lightning_gpipe.strategy._lightning_internals import broadcast_coalesced, forward_cache, logged_values
 
 _BUCKET = 16 * 2**20
 
@@ -107,5 +107,5 @@ def take_from_last_stage(
     if source:  # the broadcast writes into its tensors even on the source: those may share a graph's storage
         tensors = [t.detach().clone() for t in tensors]
     if tensors:
-        dist._broadcast_coalesced(group, tensors, _BUCKET, last)
+        broadcast_coalesced(group, tensors, _BUCKET, last)
     return returned

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.grads import sum_over_pipeline
 from lightning_gpipe.strategy._audit import outside_modules
+from lightning_gpipe.strategy._lightning_internals import broadcast_coalesced
 
 _BROADCAST_BUCKET = 250 * 2**20  # DDP's default for its initial broadcast
 
@@ -116,4 +117,4 @@ def _broadcast(tensors: list[torch.Tensor], group: Any) -> None:
     if not tensors or group is None or dist.get_world_size(group) == 1:
         return
     # Group rank 0 is the source: replica 0, stage 0, or the first stage of a tied set.
-    dist._broadcast_coalesced(group, tensors, _BROADCAST_BUCKET, 0)
+    broadcast_coalesced(group, tensors, _BROADCAST_BUCKET, 0)

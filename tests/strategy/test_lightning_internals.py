@@ -153,3 +153,21 @@ def test_model_summary_callbacks_build_the_given_summary() -> None:
     for callback in callbacks:
         callback._summary(trainer, module)
     assert built == [(module, 2), (module, 3)]
+
+
+def test_broadcast_coalesced_overwrites_in_place_from_the_source(tmp_path: Any) -> None:
+    """torch's ``_broadcast_coalesced(group, tensors, bucket bytes, src)``: in place, tensors of several dtypes (one
+    rank is enough to pin the signature and that the tensors keep their values and identity)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        tensors = [torch.arange(3.0), torch.tensor([7], dtype=torch.int64), torch.ones(2, dtype=torch.float64)]
+        before = [t.clone() for t in tensors]
+        ids = [id(t) for t in tensors]
+        internals.broadcast_coalesced(dist.group.WORLD, tensors, 16, 0)
+        assert [id(t) for t in tensors] == ids
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    finally:
+        dist.destroy_process_group()
