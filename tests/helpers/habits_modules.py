@@ -206,8 +206,9 @@ SCENARIOS["vit_fed"] = {**SCENARIOS["vit_inside"], "data_loading": "first_stage"
 
 def scenario_data(kind: str, n: int = 64) -> TensorDataset:  # 4 steps of 8 on each of 2 replicas
     g = torch.Generator().manual_seed(0)
-    if kind == "images":
-        return TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 5, (n,), generator=g))
+    if kind in ("images", "images32"):
+        side = 32 if kind == "images32" else 16
+        return TensorDataset(torch.randn(n, 3, side, side, generator=g), torch.randint(0, 5, (n,), generator=g))
     if kind == "sequences":
         return TensorDataset(torch.randn(n, 5, models.D, generator=g), torch.randint(0, 5, (n,), generator=g))
     if kind == "tokens":
