@@ -105,3 +105,56 @@ def test_every_tie_survives_the_conversion(precision: str, world_size: int) -> N
         assert r["checked"] >= 5, (rank, r)
         assert r["untied"] == [], (rank, r)
         assert r["untied_after_fit"] == [], (rank, r)
+
+
+def plain_fit() -> dict[str, torch.Tensor]:
+    """The same steps on one device in float64, as Trainer(precision="64-true") without a strategy runs them."""
+    module = Aliased().double()
+    opt = module.configure_optimizers()
+    for step, (x, y) in enumerate(DataLoader(data(), batch_size=BATCH)):
+        if step == STEPS:
+            break
+        opt.zero_grad()
+        module.training_step((x.double(), y.double()), step).backward()
+        opt.step()
+    return {name: t.detach().clone() for name, t in named_tensors(module).items()}
+
+
+def fit_worker(rank: int, world_size: int) -> dict[str, list]:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = Aliased()
+    # One micro-batch: BatchNorm then normalizes the whole batch, as on one device, so every weight can be compared.
+    strategy = GPipeStrategy(chunks=1, pipeline_parallel_size=world_size, balance=[3, 2] if world_size == 2 else "auto")
+    trainer = quiet_trainer(
+        devices=world_size, strategy=strategy, precision="64-true", max_steps=STEPS, use_distributed_sampler=False
+    )
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH))
+    return {name: [str(t.dtype), t.tolist()] for name, t in named_tensors(module).items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 2], ids=["K=1", "K=2"])
+def test_aliased_batch_norm_trains_as_one_layer_in_float64(world_size: int) -> None:
+    want = plain_fit()
+    for rank, got in enumerate(run_distributed(fit_worker, world_size, timeout=100, lightning=True)):
+        stats = [n for n in got if n.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+        assert len(stats) >= 6, (rank, stats)  # both holders of at least one BatchNorm
+        # The statistics of a BatchNorm that another stage runs are not kept up to date here (the layer's other name
+        # keeps it on every stage): not a matter of the conversion.
+        elsewhere = {n for n in stats if n.startswith("model.") and "backbone." + n.removeprefix("model.") not in got}
+        assert len(elsewhere) == (3 if world_size == 2 else 0), (rank, elsewhere)
+        for name, (dtype, value) in got.items():
+            if name in elsewhere:
+                continue
+            expected = want[name]
+            assert dtype == str(expected.dtype), (rank, name)
+            where = f"rank {rank}, {name}"
+            torch.testing.assert_close(
+                torch.tensor(value, dtype=expected.dtype),
+                expected,
+                rtol=1e-12,
+                atol=1e-14,
+                msg=lambda m, where=where: f"{where}: {m}",
+            )
