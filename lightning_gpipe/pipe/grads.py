@@ -353,8 +353,8 @@ def global_grad_norm(
     pp_group: dist.ProcessGroup | None,
     count_replicated: bool,
 ) -> torch.Tensor:
-    """The ``norm_type``-norm of the whole model's gradient across the pipeline, the same value on every rank: in
-    float32, or float64 where the rank holds float64 parameters (as ``torch.nn.utils.get_total_norm`` would).
+    """The ``norm_type``-norm of the whole model's gradient across the pipeline, the same on every rank: float32, or
+    float64 on a rank that holds float64 parameters (as ``torch.nn.utils.get_total_norm`` gives).
 
     Each stage contributes ‖owned grads‖_p^p; the replicated grads (equal everywhere after :func:`sum_over_pipeline`)
     are counted once, by the one stage passing ``count_replicated=True``. The contributions are summed (maxed for
