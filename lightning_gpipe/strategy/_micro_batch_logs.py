@@ -44,6 +44,7 @@ class _Key:
     weights: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
     metric: str | None = None  # the logged Metric's module path
+    dtype: torch.dtype | None = None  # of the logged tensors; None for numbers, which Lightning converts itself
 
 
 def _reduction(name: str, kwargs: dict[str, Any]) -> str:
@@ -79,6 +80,8 @@ class LogRecorder:
             return
         _reduction(name, kwargs)
         key.values.append(value.detach() if isinstance(value, torch.Tensor) else float(value))
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            key.dtype = value.dtype
         key.weights.append(self.weight)
         if "batch_size" in kwargs:
             key.batch_sizes.append(int(kwargs["batch_size"]))
@@ -88,7 +91,7 @@ class LogRecorder:
             self.log(name, value, **kwargs)
 
     def combined(self, M: int) -> list[tuple[str, Any, dict[str, Any]]]:
-        """(name, value or Metric path, options) per key, in the order first logged: what every rank logs once."""
+        """(name, value or Metric path, options) per key, in the order first logged, the values combined as floats."""
         out: list[tuple[str, Any, dict[str, Any]]] = []
         logged = [key for key in self.keys.values() if key.metric is None]
         flat = host_floats([v for key in logged for v in key.values])
@@ -114,6 +117,15 @@ class LogRecorder:
             else:
                 value = math.fsum(w * x for w, x in zip(key.weights, v))
             out.append((name, value, kwargs))
+        return out
+
+    def logs(self, M: int) -> list[tuple[str, Any, dict[str, Any]]]:
+        """What every rank logs once: :meth:`combined`, each value a CPU tensor in the dtype it was logged in (the
+        plain run's: float64 under "64-true"), or a float where numbers were (which Lightning converts as it would)."""
+        out = []
+        for name, value, kwargs in self.combined(M):
+            dtype = self.keys[name].dtype  # None for a Metric
+            out.append((name, value if dtype is None else torch.tensor(value, dtype=dtype), kwargs))
         return out
 
 
@@ -175,7 +187,7 @@ def replay(module: Any, logs: list[tuple[str, Any, dict[str, Any]]], device: tor
         if isinstance(value, str):
             module.log(name, modules[value], **kwargs)
         else:
-            module.log(name, torch.tensor(value, dtype=torch.float32, device=device), **kwargs)
+            module.log(name, value.to(device) if isinstance(value, torch.Tensor) else value, **kwargs)
 
 
 def _cpu(tree: Any) -> Any:

@@ -258,7 +258,8 @@ class MicroBatchLoss:
         absorb(module, payload["metrics"], device)
         replay(module, payload["logs"], device)
         self.loss = payload["loss"]
-        return torch.tensor(payload["loss"], dtype=torch.float32, device=device, requires_grad=True)
+        # In the dtype pipeline_loss returned, as the plain run's loss is (float64 under "64-true").
+        return torch.tensor(payload["loss"], dtype=payload["dtype"], device=device, requires_grad=True)
 
     def _last_stage(self, call: _Call, hooks: dict[str, Any]) -> dict[str, Any]:
         module, hook, input, args, kwargs = call.module, call.hook, call.input, call.args, call.kwargs
@@ -271,6 +272,7 @@ class MicroBatchLoss:
         else:
             weights = [n / sum(sizes) for n in sizes]
         recorder, losses, increments = LogRecorder(module), [], {}  # type: ignore[var-annotated]
+        dtypes: list[torch.dtype] = []
         epoch = module.trainer.current_epoch
         check, kept = len(sizes) >= 2 and epoch != self.checked_epoch, []
         self.checked_epoch = epoch
@@ -288,6 +290,7 @@ class MicroBatchLoss:
                 module.log, module.log_dict = real_log, real_log_dict
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise TypeError(f"pipeline_loss must return a scalar tensor, got {type(loss).__name__}")
+            dtypes.append(loss.dtype)
             if weights[m] == 0.0:  # nothing of the loss in this micro-batch (all padding): 0/0 must not reach .grad
                 return torch.zeros((), device=loss.device)
             losses.append(loss.detach().double() * weights[m])
@@ -296,14 +299,14 @@ class MicroBatchLoss:
         with step_only_metrics(module, increments):
             self.stage.train_step(input, loss_fn, schedule=self.schedule, **hooks)
         try:
-            logs = recorder.combined(len(sizes))
+            logs = recorder.logs(len(sizes))
             if check:
                 precise = not torch.is_autocast_enabled(tensors(kept[0])[0].device.type) and all(
                     t.dtype in (torch.float32, torch.float64) for t in tensors(kept[0]) if t.is_floating_point()
                 )
                 arguments = (args, kwargs)
                 check_split_invariance(module, hook, count, kept, arguments, sum(sizes), self.batch_dim, precise)
-            return {"loss": math.fsum(host_floats(losses)), "logs": logs, "metrics": increments}
+            return {"loss": math.fsum(host_floats(losses)), "dtype": dtypes[0], "logs": logs, "metrics": increments}
         except Exception as e:  # the other stages wait for this broadcast: they must learn why it failed
             return {"error": f"{type(e).__name__}: {e}"}
 
@@ -335,7 +338,9 @@ class MicroBatchLoss:
         a term added outside it would reach no gradient."""
         assert self.loss is not None
         got = float(closure_loss.detach())
-        if not any(abs(got - self.loss / a) <= 1e-5 * max(1.0, abs(got)) for a in (1, accumulate)):
+        # A bf16 or fp16 loss holds the step's loss rounded to its dtype (and divided by ``accumulate`` in it).
+        tol = max(1e-5, torch.finfo(closure_loss.dtype).eps) if closure_loss.is_floating_point() else 1e-5
+        if not any(abs(got - self.loss / a) <= tol * max(1.0, abs(got)) for a in (1, accumulate)):
             raise RuntimeError(
                 f"GPipeStrategy(micro_batch_loss): the training step returned {got:.6g}, not the value of "
                 f"self.pipeline_loss ({self.loss:.6g}); only pipeline_loss is back-propagated through the pipeline, "

@@ -1,17 +1,43 @@
-"""The precision plugin under a pipeline: one loss-scaling decision for every stage, clipping by the whole norm."""
+"""The precision plugin under a pipeline: ties kept through its conversion, one loss-scaling decision for every
+stage, clipping by the whole norm."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
+from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_gpipe.pipe.grads import clip_grad_norm_
 from lightning_gpipe.strategy._lightning_internals import route_norm_clipping
 from lightning_gpipe.strategy._weight_copies import WeightCopies
+
+
+@contextmanager
+def keeping_ties(module: nn.Module | None) -> Iterator[None]:
+    """A tensor that several of ``module``'s submodules hold (a tied weight; a layer's buffers also held by its
+    DeferredBatchNorm stand-in, or by another module object) is again one tensor, held by all of them, after the body
+    converts the module (``precision_plugin.convert_module``, ``.to(device)``).
+
+    ``Module._apply`` gives each module its own converted buffer (and, with
+    ``torch.__future__.set_overwrite_module_params_on_conversion``, its own parameter): two holders of one tensor would
+    then train apart, the first one's running statistics moving while the other's stay behind.
+    """
+    holders: dict[int, list[tuple[dict, str]]] = {}
+    for m in module.modules() if module is not None else ():
+        for slots in (m._parameters, m._buffers):
+            for key, t in slots.items():
+                if t is not None:
+                    holders.setdefault(id(t), []).append((slots, key))
+    shared = [h for h in holders.values() if len(h) > 1]
+    yield
+    for (first, key), *rest in shared:
+        for slots, other in rest:
+            slots[other] = first[key]
 
 
 def agree_on_loss_scaling(plugin: Precision, device: torch.device) -> None:

@@ -47,6 +47,7 @@ from lightning_gpipe.strategy._mesh import (
 )
 from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
 from lightning_gpipe.strategy._partition_report import show as show_partition
+from lightning_gpipe.strategy._precision import keeping_ties
 from lightning_gpipe.strategy._predict import mute_prediction_output, unmute
 from lightning_gpipe.strategy._rank_pipeline import RankPipeline, StageOptions
 from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage
@@ -270,8 +271,9 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         # Predictions need the real output (see on_predict_start for where they are kept).
         loss_only = self.output == "placeholder" and trainer.state.fn != TrainerFn.PREDICTING
         self.stage.output_mode = "placeholder" if loss_only else "all"
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        with keeping_ties(self.model):
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
         self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_size_mb * 2**20))
         args = (self.stage, self.schedule, self.batch_dim, mesh.header_group, self.precision_plugin)
         self._micro = MicroBatchLoss.choose(module, self.micro_batch_loss, *args)
@@ -308,7 +310,8 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         if self._feed is not None:
             self._feed.close()
             self._feed = None
-        super().teardown()
+        with keeping_ties(self.lightning_module):  # Lightning moves it to the CPU
+            super().teardown()
 
     @override
     def model_to_device(self) -> None:

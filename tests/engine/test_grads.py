@@ -21,11 +21,15 @@ from lightning_gpipe.pipe.grads import (
 )
 from tests.helpers.launch import run_distributed
 
-F32, BF16 = torch.float32, torch.bfloat16
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
 
 def exact(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def exact64(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
 
 
 def params_like(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[nn.Parameter]:
@@ -200,14 +204,20 @@ def _replica_grads(stage: int, stages: int, seed: int) -> list[torch.Tensor | No
     return [embed if stage == 0 else None, head if stage == stages - 1 else None]
 
 
-def _reference(grads_of: Callable[[int], tuple[list, list]], stages: int) -> tuple[list[nn.Parameter], list]:
+def _in(specs: list[tuple[tuple[int, ...], torch.dtype]], dtype: torch.dtype) -> list:
+    return [(shape, dtype if d == F32 else d) for shape, d in specs]
+
+
+def _reference(
+    grads_of: Callable[[int], tuple[list, list]], stages: int, dtype: torch.dtype = F32
+) -> tuple[list[nn.Parameter], list]:
     """One model holding every stage's owned parameters, then the replicated ones, with their summed grads."""
     ref = []
     for s in range(stages):
-        for spec, g in zip(STAGES[s], grads_of(s)[0]):
+        for spec, g in zip(_in(STAGES[s], dtype), grads_of(s)[0]):
             ref.append(nn.Parameter(torch.zeros(spec[0], dtype=spec[1])))
             ref[-1].grad = None if g is None else g.clone()
-    for i, spec in enumerate(EMBED_HEAD):
+    for i, spec in enumerate(_in(EMBED_HEAD, dtype)):
         parts = [grads_of(s)[1][i] for s in range(stages)]
         ref.append(nn.Parameter(torch.zeros(spec[0], dtype=spec[1])))
         ref[-1].grad = sum((g for g in parts if g is not None), torch.zeros(spec[0], dtype=spec[1]))
@@ -219,14 +229,16 @@ def _assign(params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> Non
         p.grad = None if g is None else g.clone()
 
 
-def _norm_check(rank: int, world_size: int) -> list[tuple[float, float]]:
+def _norm_check(rank: int, world_size: int, dtype: torch.dtype) -> list[tuple[float, float]]:
     stages, group = world_size, dist.group.WORLD
+    close = exact if dtype == F32 else exact64
 
     def grads_of(stage: int) -> tuple[list, list]:
-        return _stage_grads(stage, seed=0), _replica_grads(stage, stages, seed=0)
+        owned = [None if g is None else g.to(dtype) for g in _stage_grads(stage, seed=0)]
+        return owned, [None if g is None else g.to(dtype) for g in _replica_grads(stage, stages, seed=0)]
 
-    owned, replicated = params_like(STAGES[rank]), params_like(EMBED_HEAD)
-    ref, counts = _reference(grads_of, stages)
+    owned, replicated = params_like(_in(STAGES[rank], dtype)), params_like(_in(EMBED_HEAD, dtype))
+    ref, counts = _reference(grads_of, stages, dtype)
     start = sum(counts[:rank])
     mine = ref[start : start + counts[rank]] + ref[-len(EMBED_HEAD) :]
     norms = []
@@ -236,8 +248,8 @@ def _norm_check(rank: int, world_size: int) -> list[tuple[float, float]]:
         sum_over_pipeline(replicated, group)
         norm = global_grad_norm(owned, replicated, p, group, count_replicated=rank == 0)
         want = torch.nn.utils.get_total_norm([q.grad for q in ref if q.grad is not None], p)
-        assert norm.dtype == torch.float32
-        exact(norm, want)
+        assert norm.dtype == dtype
+        close(norm, want)
         norms.append((p, norm.item()))
         for max_norm in (want.item() / 3, want.item() * 2):  # clipping and not clipping
             ref_copy = [nn.Parameter(q.detach().clone()) for q in ref]
@@ -247,20 +259,45 @@ def _norm_check(rank: int, world_size: int) -> list[tuple[float, float]]:
             _assign(replicated, grads_of(rank)[1])
             sum_over_pipeline(replicated, group)
             got = clip_grad_norm_(owned, replicated, max_norm, p, group, count_replicated=rank == 0)
-            exact(got, torch.nn.utils.clip_grad_norm_(ref_copy, max_norm, p))
+            close(got, torch.nn.utils.clip_grad_norm_(ref_copy, max_norm, p))
             mine_ref = ref_copy[start : start + counts[rank]] + ref_copy[-len(EMBED_HEAD) :]
             assert len(mine) == len(mine_ref)
             for q, r in zip(owned + replicated, mine_ref):
                 assert (q.grad is None) == (r.grad is None)
                 if q.grad is not None:
-                    exact(q.grad, r.grad)
+                    assert q.grad.dtype == dtype
+                    close(q.grad, r.grad)
     return norms
 
 
 @pytest.mark.timeout(60)
-def test_global_norm_and_clip_match_one_model() -> None:
-    per_rank = run_distributed(_norm_check, 3, timeout=45)
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+def test_global_norm_and_clip_match_one_model(dtype: torch.dtype) -> None:
+    per_rank = run_distributed(_norm_check, 3, dtype, timeout=45)
     assert per_rank[0] == per_rank[1] == per_rank[2], "every stage sees the same norm"
+
+
+def _empty_stage_check(rank: int, world_size: int) -> list[float]:
+    # Stage 1 holds no parameters (a stage of activations only): it joins stage 0's float64 sum as it is.
+    specs = [((5, 3), F64), ((4,), F64)] if rank == 0 else []
+    params, ref = params_like(specs), params_like(specs)
+    got = []
+    for p in NORMS:
+        _assign(params, random_grads(specs, seed=3))
+        _assign(ref, random_grads(specs, seed=3))
+        got.append(clip_grad_norm_(params, [], 0.5, p, dist.group.WORLD, count_replicated=False).item())
+        if rank == 0:
+            exact64(torch.tensor(got[-1], dtype=F64), torch.nn.utils.clip_grad_norm_(ref, 0.5, p))
+            for q, r in zip(params, ref):
+                exact64(q.grad, r.grad)
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_without_parameters_joins_a_float64_norm() -> None:
+    with_params, without = run_distributed(_empty_stage_check, 2, timeout=45)
+    # The stage without parameters has nothing to clip: it gets the same sum, in its own float32.
+    assert without == [torch.tensor(n, dtype=F64).float().item() for n in with_params]
 
 
 @pytest.mark.timeout(10)
