@@ -211,7 +211,7 @@ class MicroBatchLoss:
                     loss = hook(output, *args, **kwargs)
                 if not isinstance(loss, Tensor) or loss.numel() != 1:
                     raise TypeError(f"pipeline_loss must return a scalar tensor, got {type(loss).__name__}")
-                payload = {"loss": loss.detach().cpu(), "logs": recorder.combined(1), "metrics": increments}
+                payload = {"loss": loss.detach().cpu(), "logs": recorder.logs(1), "metrics": increments}
             except Exception as e:  # the other stages wait for this broadcast: they must learn why it failed
                 payload = {"error": f"{type(e).__name__}: {e}"}
             finally:
