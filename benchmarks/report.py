@@ -14,9 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from benchmarks._lib.report import RESULTS, pyplot, save
-
-__all__ = ["FIGURES", "RESULTS", "figure_module", "main", "pyplot", "replot"]
+from benchmarks._lib.report import RESULTS, save
 
 # The stem of a results file (less a "_run<N>" suffix: another run of the same command) -> the module whose
 # ``plot(data)`` draws its figure. Results without a figure (engine_speed, output_modes, dp_cost_model, traces) are
