@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.report import (
+from benchmarks._lib.report import (
     command_line,
     environment,
     environment_lines,

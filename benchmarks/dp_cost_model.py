@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
+from benchmarks._lib import report
 from lightning_gpipe.models.amoebanet import amoebanet_d
 from lightning_gpipe.models.transformer import transformer_nmt_num_parameters
 
@@ -21,8 +20,7 @@ from lightning_gpipe.models.transformer import transformer_nmt_num_parameters
 #   between: 2(N − 1)/N · S per node over the link, in 2(N − 1) inter-node steps (plus the node's own).
 #
 # S is one stage's gradients (fp32, the parameters split evenly over K stages). Run: python -m benchmarks.dp_cost_model
-
-RESULTS = Path(__file__).parent / "results"
+# (--smoke: two node counts; --out-dir DIR)
 
 
 def models() -> dict[str, int]:
@@ -81,13 +79,19 @@ def main() -> None:
         "--replicas-per-node", type=int, default=2, help="replicas of a stage on one node (8 GPUs, K=4)"
     )
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out-dir", "--out", dest="out_dir", default=str(report.RESULTS))
+    parser.add_argument("--smoke", action="store_true", help="2 and 4 nodes only")
     args = parser.parse_args()
+    if args.smoke:
+        args.nodes = [2, 4]
     rows = table(args.K, args.replicas_per_node, args.nodes)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dp_cost_model.json").write_text(json.dumps(rows, indent=1))
-    (args.out / "dp_cost_model.md").write_text(markdown(rows) + "\n")
+    env, command = report.environment(), report.command_line("dp_cost_model")
+    md = ["# Data-parallel reduction, flat vs hierarchical: a cost model (ring all-reduce), not a measurement", ""]
+    md += [*report.environment_lines(env), f"- Command: `{command}`", "", markdown(rows)]
+    data = {"command": command, "environment": env, "K": args.K, "replicas_per_node": args.replicas_per_node}
+    paths = report.write("dp_cost_model", data | {"rows": rows}, "\n".join(md), out_dir=args.out_dir)
     print(markdown(rows))
+    print(f"# wrote {', '.join(paths.values())}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import report
-from benchmarks.machine import launch
+from benchmarks._lib import report
+from benchmarks._lib.machine import launch
 from lightning_gpipe.pipe.grads import BucketedAllReduce
 from lightning_gpipe.pipe.hierarchy import build_hierarchies
 

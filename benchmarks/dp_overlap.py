@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import report
-from benchmarks.machine import launch
+from benchmarks._lib import report
+from benchmarks._lib.machine import launch
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.grads import BucketedAllReduce, OverlappedReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
@@ -17,14 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.machine import (
+from benchmarks._lib import report
+from benchmarks._lib import workloads as wl
+from benchmarks._lib.machine import (
     Timing,
     add_timing_args,
     background_load,
     cpu_snapshot,
     engine_commit,
     launch,
-    machine_info,
     max_over_ranks,
     measure,
     probe,
@@ -32,15 +32,8 @@ from benchmarks.machine import (
     wait_quiet,
     zeroed,
 )
-from benchmarks.pipe_trace import stage_lines, trace_step
-from benchmarks.report import RESULTS, command_line
-from benchmarks.workloads import (
-    BATCH,
-    D_MODEL,
-    FFN,
-    HEADS,
-    LAYERS,
-    SEQ,
+from benchmarks._lib.pipe_trace import stage_lines, trace_step
+from benchmarks._lib.workloads import (
     build_encoder,
     build_torch,
     encoder_batch,
@@ -55,6 +48,7 @@ from lightning_gpipe.pipe import GPipeStage
 # ------------------------------------------------------------------------------------------------------ workers
 def run_job(rank: int, world: int, job: dict) -> dict:
     """A worker's whole job: every M at its world size, in turn (at K=1, after the plain reference)."""
+    wl.configure(job["shape"])  # a spawned worker starts from workloads' full sizes
     model, (x, y) = build_encoder(), encoder_batch()
     # Each K=2 pipeline talks on its own process group, so their messages can never meet.
     groups = (dist.new_group([0, 1]), dist.new_group([0, 1])) if world == 2 else ()
@@ -72,7 +66,7 @@ def run_job(rank: int, world: int, job: dict) -> dict:
 
 
 def k1_config(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, M: int, job: dict) -> dict:
-    stage = GPipeStage(copy.deepcopy(model), chunks=M, balance=[LAYERS], checkpoint=job["checkpoint"])
+    stage = GPipeStage(copy.deepcopy(model), chunks=M, balance=[wl.LAYERS], checkpoint=job["checkpoint"])
     m = measure({"ours": zeroed(stage, lambda: ours_step(stage, x, y))}, job["timing"])
     return {"ours": m.records["ours"], "ours_first_loss": m.first["ours"], "paused_s": m.paused_s}
 
@@ -81,7 +75,8 @@ def k2_config(
     model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, M: int, rank: int, groups: tuple, job: dict
 ) -> dict:
     """Ours and torch's pipelines on the same weights, timed alternately step by step in the same two processes."""
-    ours = GPipeStage(copy.deepcopy(model), chunks=M, balance=[4, 4], checkpoint=job["checkpoint"], group=groups[0])
+    balance = [wl.LAYERS // 2] * 2  # build_torch's split
+    ours = GPipeStage(copy.deepcopy(model), chunks=M, balance=balance, checkpoint=job["checkpoint"], group=groups[0])
     schedule, torch_module = build_torch(model, rank, M, groups[1], job["torch_checkpoint"])
     grad_diff: list[float] = []
 
@@ -121,13 +116,20 @@ def parse_args() -> tuple[argparse.Namespace, Timing]:
         help="torch.utils.checkpoint around each stage's 4 layers as one call (stage) or around each layer",
     )
     parser.add_argument("--rounds", type=int, default=1, help="repeat the K=2 job and the K=1 job this many times")
-    parser.add_argument("--out", default=str(RESULTS / "engine_speed.json"))
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out-dir", default=str(report.RESULTS), help="writes engine_speed.json and .md there")
+    where.add_argument("--out", default=None, help="the JSON's path instead (the Markdown beside it, same stem)")
     parser.add_argument("--trace", action="store_true", help="also write a Chrome trace of one K=2 step of ours")
     parser.add_argument("--trace-m", type=int, default=8, help="the M of the traced step")
+    parser.add_argument("--smoke", action="store_true", help="a small encoder stack, M=2, 5 steps, no quiet waits")
     args = parser.parse_args()
+    if args.smoke:
+        wl.configure(wl.SMOKE_ENCODER)
+        args.micro_batches, args.rounds, args.trace_m = [2], 1, 2
+        args.steps, args.max_steps, args.warmup, args.wait_quiet = 5, 5, 1, 0.0
     timing = Timing.from_args(parser, args)
-    if max(args.micro_batches) > BATCH or min(args.micro_batches) < 1:
-        parser.error(f"M must be in 1..{BATCH}")
+    if max(args.micro_batches) > wl.BATCH or min(args.micro_batches) < 1:
+        parser.error(f"M must be in 1..{wl.BATCH}")
     return args, timing
 
 
@@ -135,7 +137,7 @@ def tabulate(raw: dict[str, list[dict]], micro_batches: list[int]) -> tuple[list
     """Per-configuration statistics (the rounds' steps pooled) and, per M, the speed-ups and sanity checks."""
 
     def pooled(k: str, key: str, name: str) -> dict:
-        return stats([rec for run in raw[k] for rec in run[key][name]], BATCH)
+        return stats([rec for run in raw[k] for rec in run[key][name]], wl.BATCH)
 
     def paused(k: str, key: str) -> float:
         return sum(run[key]["paused_s"] for run in raw[k])
@@ -218,9 +220,10 @@ def print_tables(configs: list[dict], summary: list[dict], trace: dict | None, t
 
 def main() -> None:
     args, timing = parse_args()
-    out_path = Path(args.out)
+    out_path = Path(args.out) if args.out else Path(args.out_dir) / "engine_speed.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     job = {
+        "shape": {k: getattr(wl, k) for k in wl.SMOKE_ENCODER},  # the sizes parse_args chose, for the workers
         "timing": timing,
         "micro_batches": args.micro_batches,
         "checkpoint": args.checkpoint,
@@ -230,10 +233,11 @@ def main() -> None:
         "trace_path": str(out_path.with_name(f"engine_trace_k2_m{args.trace_m}.json")),
     }
 
-    info = machine_info()
+    info = report.environment(threads_per_process=1, processes="1 (K=1) or 2 (K=2), fresh per job (gloo)")
+    shape = f"{wl.LAYERS} x TransformerEncoderLayer(d={wl.D_MODEL}, heads={wl.HEADS}, ffn={wl.FFN})"
     print(
         f"# {info['cpu_model']}, {info['usable_cores']} usable cores, torch {info['torch']}, {info['date']}\n"
-        f"# {LAYERS} x TransformerEncoderLayer(d={D_MODEL}, heads={HEADS}, ffn={FFN}), batch {BATCH}x{SEQ}, "
+        f"# {shape}, batch {wl.BATCH}x{wl.SEQ}, "
         f"{args.warmup} warm-up + {args.steps} clean timed steps (≤ {timing.max_steps}) x {args.rounds} round(s), "
         f"ours checkpoint={args.checkpoint}, torch checkpoint per {args.torch_checkpoint}",
         flush=True,
@@ -268,11 +272,12 @@ def main() -> None:
     total = time.perf_counter() - t_start
     alone = statistics.median(probes["k1_alone_gflops"])
     pair = probes["k2_concurrent_gflops_per_rank"]
-    print(
-        f"\n# machine check: one process alone {alone:.0f} GFLOP/s (512x512 matmul, 1 thread); two at once "
+    machine_line = (
+        f"# machine check: one process alone {alone:.0f} GFLOP/s (512x512 matmul, 1 thread); two at once "
         f"{' and '.join(f'{g:.0f}' for g in pair)} GFLOP/s each (parallel efficiency "
         f"{statistics.mean(pair) / alone:.2f})"
     )
+    print("\n" + machine_line)
     print(background_line)
     commit_after = engine_commit()
     if commit_after != info["engine_commit"]:
@@ -283,14 +288,14 @@ def main() -> None:
     print(f"# total {total:.0f} s")
 
     result = {
-        "command": command_line("engine_speed"),
-        "machine": info,
+        "command": report.command_line("engine_speed"),
+        "environment": info,
         "engine_commit_after": commit_after,
         "machine_check": {**probes, **background},
         "setup": {
-            "model": f"{LAYERS} x nn.TransformerEncoderLayer(d_model={D_MODEL}, nhead={HEADS}, "
-            f"dim_feedforward={FFN}, dropout=0.0, batch_first=True)",
-            "batch": [BATCH, SEQ, D_MODEL],
+            "model": f"{wl.LAYERS} x nn.TransformerEncoderLayer(d_model={wl.D_MODEL}, nhead={wl.HEADS}, "
+            f"dim_feedforward={wl.FFN}, dropout=0.0, batch_first=True)",
+            "batch": [wl.BATCH, wl.SEQ, wl.D_MODEL],
             "loss": "MSE on the last stage",
             "threads_per_process": 1,
             "backend": "gloo, 127.0.0.1",
@@ -310,8 +315,43 @@ def main() -> None:
         "trace": trace,
         "total_s": total,
     }
-    out_path.write_text(json.dumps(result, indent=2))
-    print(f"# wrote {out_path}")
+    md = markdown(result, f"{shape}, batch {wl.BATCH}x{wl.SEQ}", [machine_line, background_line])
+    paths = report.write(out_path.stem, result, md, out_dir=out_path.parent)
+    print(f"# wrote {', '.join(paths.values())}")
+
+
+CONFIG_COLUMNS: list[report.Column] = [
+    ("config", "config", ""),
+    ("M", "M", ""),
+    ("median_ms", "median ms/step", ".1f"),
+    ("min_ms", "min", ".1f"),
+    ("max_ms", "max", ".1f"),
+    ("samples_per_s", "samples/s", ".1f"),
+    ("clean_steps", "clean steps", ""),
+    ("timed_steps", "timed steps", ""),
+    ("noisy", "noisy", ""),
+]
+SUMMARY_COLUMNS: list[report.Column] = [
+    ("M", "M", ""),
+    ("speedup_k2_over_k1", "speed-up ours K=2 / K=1", ".2f"),
+    ("ideal_speedup", "ideal K·M/(M+K−1)", ".2f"),
+    ("speedup_over_ideal", "speed-up / ideal (target ≥ 0.9)", ".2f"),
+    ("ours_over_torch_throughput", "ours / torch throughput, K=2 (target ≥ 1.1)", ".2f"),
+    ("torch_speedup_over_ours_k1", "torch K=2 / ours K=1", ".2f"),
+    ("max_abs_grad_diff_ours_vs_torch", "max abs grad diff ours vs torch", ".1e"),
+]
+
+
+def markdown(result: dict, model: str, checks: list[str]) -> str:
+    """The results file's tables, with the environment, the command and the machine check."""
+    setup = result["setup"]
+    lines = ["# The engine at K=1 and K=2 against torch.distributed.pipelining's ScheduleGPipe", ""]
+    lines += [*report.environment_lines(result["environment"]), f"- Command: `{result['command']}`"]
+    lines += [f"- {model}; ours checkpoint={setup['ours_checkpoint']}, torch: {setup['torch_checkpoint']}"]
+    lines += [f"- Step time: {setup['step_time']}; total {result['total_s']:.0f} s", ""]
+    lines += [report.markdown_table(result["configs"], CONFIG_COLUMNS), ""]
+    lines += [report.markdown_table(result["summary"], SUMMARY_COLUMNS), ""]
+    return "\n".join(lines + [line.lstrip("# ") for line in checks])
 
 
 if __name__ == "__main__":

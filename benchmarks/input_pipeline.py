@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks import report
-from benchmarks.machine import launch
+from benchmarks._lib import report
+from benchmarks._lib.machine import launch
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.batch_feed import BatchFeed
 

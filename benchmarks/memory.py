@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from benchmarks import report
-from benchmarks.machine import launch
-from benchmarks.memory_probe import MALLOC_ENV, Meter, counting_saved, state_bytes, storages  # the meters
-from benchmarks.memory_search import largest  # the size search
-from lightning_gpipe.models import amoebanet_d, transformer_nmt
+from benchmarks._lib import report
+from benchmarks._lib.machine import launch
+from benchmarks._lib.memory_models import FAMILIES, SMOKE, build, layer_costs, loss_fn  # models, batches, balance
+from benchmarks._lib.memory_probe import MALLOC_ENV, Meter, counting_saved, state_bytes, storages  # the meters
+from benchmarks._lib.memory_schedules import compare  # --schedules
+from benchmarks._lib.memory_search import largest  # the size search
 from lightning_gpipe.pipe import GPipeStage
 
 METHOD = """\
@@ -53,49 +53,6 @@ for K > 1 its layers are split to even out 16 B × parameters + the bytes a laye
 micro-batch (the last layer also carries 3× the joined output, for the loss), estimated on stage 0."""
 CONFIGS = {"Naive-1": 1, "Pipeline-1": 1, "Pipeline-2": 2, "Pipeline-4": 4}  # name: K
 MB = 2**20
-
-# Per model: what its size scales (as in the paper: the Transformer's layers L, AmoebaNet-D's filters D), the rest of
-# the model and the batch, the size of the per-stage table, and the step and minimum of the size search.
-FAMILIES: dict[str, dict[str, Any]] = {
-    "transformer": dict(unit="L", d=128, ffn=512, heads=4, vocab=2000, N=32, T=32, size=3, step=1, min=1, p=1),
-    "amoebanet": dict(unit="D", L=6, classes=10, N=32, side=64, size=24, step=8, min=8, p=2),
-}
-SMOKE: dict[str, dict[str, Any]] = {
-    "transformer": dict(unit="L", d=32, ffn=64, heads=2, vocab=200, N=8, T=8, size=2, step=1, min=1, p=1),
-    "amoebanet": dict(unit="D", L=3, classes=4, N=8, side=64, size=8, step=8, min=8, p=2),
-}
-
-
-# ------------------------------------------------------------------------------------------------ models, batch
-def build(name: str, spec: dict, size: int) -> tuple[nn.Sequential, Any, torch.Tensor]:
-    """The model at ``size`` (seeded), an input batch and the target."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    if name == "transformer":
-        V, N, T = spec["vocab"], spec["N"], spec["T"]
-        model = transformer_nmt(size, spec["ffn"], spec["heads"], d_model=spec["d"], vocab_size=V, dropout=0.0)
-        src, tgt = torch.randint(1, V, (N, T), generator=g), torch.randint(1, V, (N, T + 1), generator=g)
-        return model, (src, tgt[:, :-1]), tgt[:, 1:]
-    model = amoebanet_d(spec["classes"], num_layers=spec["L"], num_filters=size)
-    x = torch.randn(spec["N"], 3, spec["side"], spec["side"], generator=g)
-    return model, x, torch.randint(0, spec["classes"], (spec["N"],), generator=g)
-
-
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, target.flatten())
-
-
-def layer_costs(model: nn.Sequential, x: Any, micro: int, batch: int) -> list[float]:
-    """The balance's cost of each layer (see METHOD), from a forward pass on ``micro`` samples."""
-    x = tuple(t[:micro] for t in x) if isinstance(x, tuple) else x[:micro]
-    costs = []
-    for layer in model:
-        saved: dict[int, int] = {}
-        with counting_saved(storages(layer.parameters()), saved):
-            x = layer(x)
-        costs.append(4.0 * sum(p.numel() * p.element_size() for p in layer.parameters()) + sum(saved.values()))
-    costs[-1] += 3.0 * x.untyped_storage().nbytes() * batch / micro
-    return costs
 
 
 # ----------------------------------------------------------------------------------------------------- worker
@@ -311,7 +268,7 @@ def main() -> None:
     parser.add_argument(
         "--schedules",
         action="store_true",
-        help="instead: 1F1B vs GPipe with the loss per micro-batch, checkpoint=never (memory_schedules.py)",
+        help="instead: 1F1B vs GPipe with the loss per micro-batch, checkpoint=never (_lib/memory_schedules.py)",
     )
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4], metavar="K", help="K of --schedules")
     args = parser.parse_args()
@@ -319,8 +276,6 @@ def main() -> None:
     os.environ.update(MALLOC_ENV)  # read by glibc when the spawned workers start
     families = SMOKE if args.smoke else FAMILIES
     if args.schedules:
-        from benchmarks.memory_schedules import compare  # imports this module's models: not at the top
-
         return compare(args, families, [2] if args.smoke else args.ks)
     budget_mb = args.budget_mb if args.budget_mb is not None else (8.0 if args.smoke else 120.0)
     configs, notes = (["Naive-1", "Pipeline-2"] if args.smoke else list(CONFIGS)), []

@@ -1,12 +1,11 @@
 """Cost of giving every stage the pipeline's output (output="all") vs zeros of its shape ("placeholder"), at K=2."""
 
 # A large-vocabulary head: the output is N × T × V logits, which "all" sends from the last stage to every other one.
-# Run from the repo root: python -m benchmarks.output_modes [--vocab 32000]
+# Run from the repo root: python -m benchmarks.output_modes [--vocab 32000] [--smoke] [--out-dir DIR]
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.machine import Runner, Timing, add_timing_args, launch, machine_info, measure, stats
-from benchmarks.report import RESULTS
+from benchmarks._lib import report
+from benchmarks._lib.machine import Runner, Timing, add_timing_args, launch, measure, stats
 from lightning_gpipe.pipe import GPipeStage
 
 D_MODEL, LAYERS, BATCH, SEQ, M = 256, 6, 16, 32, 4
@@ -61,10 +60,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_timing_args(parser)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--out", default=str(RESULTS / "output_modes.json"))
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out-dir", default=str(report.RESULTS), help="writes output_modes.json and .md there")
+    where.add_argument("--out", default=None, help="the JSON's path instead (the Markdown beside it, same stem)")
+    parser.add_argument("--smoke", action="store_true", help="a 1000-word vocabulary, 5 steps, no quiet waits")
     args = parser.parse_args()
+    if args.smoke:
+        args.vocab, args.steps, args.max_steps, args.warmup, args.wait_quiet = 1000, 5, 5, 1, 0.0
     timing = Timing.from_args(parser, args)
-    info = machine_info()
+    info = report.environment(threads_per_process=1, processes="2, one per stage (gloo, 127.0.0.1)")
     output_mb = BATCH * SEQ * args.vocab * 4 / 2**20
     print(
         f"# {info['cpu_model']}, {info['usable_cores']} usable cores, torch {info['torch']}, {info['date']}\n"
@@ -83,9 +87,28 @@ def main() -> None:
     print(
         f"step time all / loss: {ratio:.3f} (loss: first step {raw['first']['all']:.6f} vs {raw['first']['loss']:.6f})"
     )
-    out = {"machine": info, "vocab": args.vocab, "output_mib": output_mb, "rows": rows, "all_over_loss": ratio}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    command = report.command_line("output_modes")
+    out = {"command": command, "environment": info, "vocab": args.vocab, "output_mib": output_mb, "rows": rows}
+    out |= {"all_over_loss": ratio, "first_loss": raw["first"]}
+    md = [f"# output='all' vs 'placeholder' at K=2: the pipeline's output ({output_mb:.1f} MiB) to every stage", ""]
+    md += [*report.environment_lines(info), f"- Command: `{command}`"]
+    md += [f"- M={M}, batch {BATCH}x{SEQ}, d={D_MODEL}, vocab {args.vocab}; the modes alternate step by step", ""]
+    md += [report.markdown_table([{"output": MODES[m], **r} for m, r in rows.items()], COLUMNS), ""]
+    md += [f"Step time all / placeholder: {ratio:.3f}."]
+    path = Path(args.out) if args.out else Path(args.out_dir) / "output_modes.json"
+    paths = report.write(path.stem, out, "\n".join(md), out_dir=path.parent)
+    print(f"# wrote {', '.join(paths.values())}")
+
+
+MODES = {"all": "`all` (logits sent to every stage)", "loss": "`placeholder` (a header only; zeros there)"}
+COLUMNS: list[report.Column] = [
+    ("output", "output", ""),
+    ("median_ms", "median ms", ".1f"),
+    ("min_ms", "min ms", ".1f"),
+    ("max_ms", "max ms", ".1f"),
+    ("clean_steps", "clean steps", ""),
+    ("timed_steps", "timed steps", ""),
+]
 
 
 if __name__ == "__main__":

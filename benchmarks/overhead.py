@@ -1,6 +1,6 @@
 """GPipe paper Table 4 from the timeline: where a pipelined step's time goes, per loss path, for K = 2 and K = 4."""
 
-# What it runs: throughput.py's small AmoebaNet-D and Transformer (workloads.py; the Transformer's vocabulary
+# What it runs: throughput.py's small AmoebaNet-D and Transformer (_lib/workloads.py; the Transformer's vocabulary
 # projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread
 # each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance), a training step = forward
 # + loss + backward + RMSProp update, with the stage's timeline on, along three loss paths, alternating step by step
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import report
-from benchmarks.machine import launch, pause_until_quiet, timed, wait_quiet
-from benchmarks.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
+from benchmarks._lib import report
+from benchmarks._lib.machine import launch, pause_until_quiet, timed, wait_quiet
+from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
 from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
 from lightning_gpipe.pipe.gantt import plot_timeline
 from lightning_gpipe.pipe.trace import Event

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import report
+from benchmarks._lib import report
 from lightning_gpipe.models.amoebanet import amoebanet_d
 from lightning_gpipe.models.transformer import transformer_nmt
 from lightning_gpipe.pipe.partition import costs_by_flops, costs_by_parameters, costs_by_time, solve

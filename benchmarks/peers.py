@@ -13,9 +13,9 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import report
-from benchmarks import workloads as wl
-from benchmarks.machine import (
+from benchmarks._lib import report
+from benchmarks._lib import workloads as wl
+from benchmarks._lib.machine import (
     Timing,
     add_timing_args,
     background_load,
@@ -28,7 +28,7 @@ from benchmarks.machine import (
     wait_quiet,
     zeroed,
 )
-from benchmarks.peers_variable import (  # variable lengths, and the probes of torch's schedule built once
+from benchmarks._lib.peers_variable import (  # variable lengths, and the probes of torch's schedule built once
     REL_TOL,
     VAR_SYSTEMS,
     collect_probes,
@@ -40,7 +40,7 @@ from lightning_gpipe.pipe import GPipeStage
 
 # The encoder stack's sizes (workloads' module globals, engine_speed.py's), and a small one for --smoke.
 FULL = {k: getattr(wl, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH", "SEQ")}
-SMOKE = {"LAYERS": 4, "D_MODEL": 64, "HEADS": 4, "FFN": 256, "BATCH": 16, "SEQ": 16}
+SMOKE = wl.SMOKE_ENCODER
 LENGTHS, SMOKE_LENGTHS = [16, 32, 24, 40, 8, 48, 32, 16, 56, 24], [8, 16, 4, 12]
 # ours except_last / always: the whole-batch loss path (stage(x), the loss on the last stage, stage.backward()).
 # ours gpipe / 1f1b: stage.train_step, the loss per micro-batch on the last stage, as torch's schedules do; with

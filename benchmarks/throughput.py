@@ -5,7 +5,7 @@
 # processes (gloo on 127.0.0.1, 1 thread each, checkpoint="except_last"), for every K in --ks and M in
 # --micro-batches, with the same global batch in every row. A step is `barrier; forward + loss + backward; barrier`
 # (gradients zeroed before it, no optimizer), timed as the max over ranks; medians over the clean steps after warm-up
-# (benchmarks/machine.py). Balance "time": every layer's forward + backward is profiled once, in this process, on a
+# (benchmarks/_lib/machine.py). Balance "time": every layer's forward + backward is profiled once, in this process, on a
 # micro-batch of batch/8 samples, and split into K stages by the engine's exact solver. One launch per K runs both
 # models and all M. Rows with K > usable cores are flagged: stages then share cores, so they do not measure a
 # pipeline. Writes <out-dir>/throughput.{json,md,png}. Run from the repo root: python -m benchmarks.throughput
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import report
-from benchmarks.machine import (
+from benchmarks._lib import report
+from benchmarks._lib.machine import (
     Runner,
     Timing,
     add_timing_args,
@@ -38,7 +38,7 @@ from benchmarks.machine import (
     stats,
     wait_quiet,
 )
-from benchmarks.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch
+from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch
 from lightning_gpipe.pipe import GPipeStage
 
 # GPipe (Huang et al., 2019) Table 2: throughput normalized to K=2, M=1 ({M: {K: value}}).

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks import report
+from benchmarks import report  # the --replot command: which module draws which results file
+from benchmarks._lib import report as writer  # what draws and labels the figures
 from tests.helpers import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -201,7 +202,7 @@ def check_stands_alone(fig: Any, data: dict) -> None:
     """A title naming the machine, a label on every axis, every legend clear of the axes and of the title."""
     env = data["environment"]
     title = fig._suptitle.get_text() if fig._suptitle is not None else ""
-    assert report.machine_label(env) in title
+    assert writer.machine_label(env) in title
     assert f"{env['usable_cores']}-core" in title and env["cpu_model"].split()[0].split("(")[0] in title
     for ax in fig.axes:
         assert ax.get_xlabel().strip() and ax.get_ylabel().strip(), ax.get_title()
@@ -223,7 +224,7 @@ def test_stored_figure_plots_the_results_file(path: Path, tmp_path: Path) -> Non
         check_stands_alone(fig, data)
         CHECKS[kind(path)](fig, data)
     finally:
-        report.pyplot().close(fig)
+        writer.pyplot().close(fig)
 
 
 @pytest.mark.timeout(60)
@@ -239,7 +240,7 @@ def test_the_value_check_fails_on_a_fraction_plotted_among_percentages(tmp_path:
     """The old overhead figure stacked the rows as stored: in the 16-core file ``waiting`` is a fraction (0.17) beside
     percentages, so its bars stopped at 38-83 %. The check catches it."""
     data = json.loads((RESULTS / "xeon16" / "overhead.json").read_text())
-    fig, axes = report.subplots(figsize=(8, 4))
+    fig, axes = writer.subplots(figsize=(8, 4))
     ax = axes[0][0]
     labels = [f"{r['model']} K={r['K']}" for r in data["rows"]]
     left = [0.0] * len(labels)
@@ -248,15 +249,15 @@ def test_the_value_check_fails_on_a_fraction_plotted_among_percentages(tmp_path:
         ax.barh(labels, values, left=left, label=key)
         left = [a + b for a, b in zip(left, values)]
     ax.set(xlabel="share of the step (%)", ylabel="model, K")
-    report.legend_right(ax)
-    report.title(fig, "the old overhead figure", data["environment"])
+    writer.legend_right(ax)
+    writer.title(fig, "the old overhead figure", data["environment"])
     fig.canvas.draw()
     try:
         check_stands_alone(fig, data)  # titled and labelled: only the values are wrong
         with pytest.raises(AssertionError):
             check_overhead(fig, data)
     finally:
-        report.pyplot().close(fig)
+        writer.pyplot().close(fig)
 
 
 @pytest.mark.timeout(60)

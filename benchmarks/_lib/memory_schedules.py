@@ -1,7 +1,8 @@
 """1F1B vs GPipe with the loss per micro-batch (train_step): peak activation memory per stage, and step time."""
 
 # Run through memory.py: python -m benchmarks.memory --schedules (its --models, --chunks, --device, --smoke,
-# --out-dir apply; --ks picks K). The models, batches, balance and meters are memory.py's; METHOD says the rest.
+# --out-dir apply; --ks picks K). The models, batches, balance and meters are memory.py's (memory_models.py,
+# memory_probe.py); METHOD says the rest.
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import report
-from benchmarks.machine import Timing, launch, measure, stats, wait_quiet, zeroed
-from benchmarks.memory_probe import Meter, state_bytes
-from benchmarks.workloads import per_micro_batch
+from benchmarks._lib import report
+from benchmarks._lib.machine import Timing, launch, measure, stats, wait_quiet, zeroed
+from benchmarks._lib.memory_models import build, layer_costs, loss_fn
+from benchmarks._lib.memory_probe import Meter, state_bytes
+from benchmarks._lib.workloads import per_micro_batch
 from lightning_gpipe.pipe import GPipeStage
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -36,8 +38,6 @@ alternate step by step in the same processes, without the meter (medians of clea
 
 def run(rank: int, world: int, job: dict) -> dict:
     """One model at one K: each schedule's peak activation per stage, then both schedules' step times."""
-    from benchmarks.memory import build, layer_costs, loss_fn
-
     torch.set_num_threads(1)
     spec, M, cuda = job["spec"], job["M"], job["device"] == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")

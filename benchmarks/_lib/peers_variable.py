@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from benchmarks import workloads as wl
-from benchmarks.machine import broadcast_from_last, free_port, timed, zeroed
+from benchmarks._lib import workloads as wl
+from benchmarks._lib.machine import broadcast_from_last, free_port, timed, zeroed
 from lightning_gpipe.pipe import GPipeStage
 
 # The systems timed at variable lengths (plain: the reference for the losses), and the relative loss difference from

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from benchmarks.machine import Timing, pause_until_quiet, timed
+from benchmarks._lib.machine import Timing, pause_until_quiet, timed
 from lightning_gpipe.pipe import GPipeStage, gather_events, write_chrome_trace
 from lightning_gpipe.pipe.trace import COMPUTE
 

@@ -48,7 +48,7 @@ __all__ = [
     "zeroed",
 ]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Below this many clean steps, a configuration's statistics fall back to all its steps (flagged ``noisy``).
 MIN_CLEAN = 5
 
