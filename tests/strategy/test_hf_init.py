@@ -90,10 +90,10 @@ def hf_worker(rank: int, world_size: int) -> dict[str, Any]:
         warnings.simplefilter("always")
         trainer = quiet_trainer(devices=2, strategy=GPipeStrategy(chunks=2, pipeline_parallel_size=2), max_steps=1)
         trainer.fit(module, DataLoader(TensorDataset(ids), batch_size=4))
-    from transformers import initialization, modeling_utils
+    from transformers import modeling_utils
 
     # Left as if imported outside the recording: torch's own functions, transformers' own init_weights.
-    saved = initialization.TORCH_INIT_FUNCTIONS
+    saved = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", {})  # transformers 5
     restored = all(getattr(torch.nn.init, name) is f for name, f in saved.items())
     restored &= modeling_utils.PreTrainedModel.init_weights.__module__ == "transformers.modeling_utils"
     return {
