@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe.strategy._materialize import materialize, record_init
+from tests.helpers.init_summary import MARK, assert_same_distribution, summary
 from tests.helpers.launch import quiet_trainer, run_distributed
-from tests.strategy.test_init import MARK, assert_same_distribution, summary
 
 pytest.importorskip("transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'")
 
