@@ -31,6 +31,7 @@ from lightning_gpipe.pipe.transport import (
     cpu_group,
     upstream_group_for,
 )
+from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 
 
 class GPipeStage(nn.Module):
@@ -45,7 +46,8 @@ class GPipeStage(nn.Module):
     phases run as ``schedule`` draws them.
 
     Args:
-        module: the L layers; built alike on every rank (same seed), only this stage's layers are kept.
+        module: the L layers; built alike on every rank (same seed), only this stage's layers are kept, so the
+            nn.Sequential may add nothing of its own (forward, weights, hooks) and hold no nn.SyncBatchNorm.
         chunks: M, micro-batches per mini-batch (fewer, with a warning, when the batch has fewer samples).
         balance: layers per stage, or how to find them: ``"parameters"``, ``"time"`` (profiles ``sample``),
             ``"flops"`` (counts each layer's forward FLOPs on ``sample``), or a per-layer cost ``fn(i, layer) -> c_i``;
@@ -89,6 +91,11 @@ class GPipeStage(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"a pipeline is built from an nn.Sequential, got {type(module).__name__}")
+        check_plain_sequential(module, "GPipeStage(module)")
+        # Without torch.distributed it normalizes as BatchNorm does; with it, it syncs over the other stages too.
+        if dist.is_available() and dist.is_initialized() and (norms := sync_batch_norms(module)):
+            fix = "call lightning_gpipe.pipe.batchnorm.sync_deferred_batch_norm(stage, group) with the group of this "
+            raise TypeError(sync_batch_norm_error(norms, "GPipeStage(module)", fix + "stage's data-parallel replicas"))
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks (M, the number of micro-batches) must be an int ≥ 1, got {chunks!r}")
         output = validate_output_mode(output, "output")

@@ -10,6 +10,7 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
 from lightning_gpipe.pipe.train_step import SCHEDULES
+from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 from lightning_gpipe.strategy._balance import BALANCE_NAMES
 from lightning_gpipe.strategy._batch_check import CHECK_BATCHES
 
@@ -124,8 +125,17 @@ def _not_sequential(path: str, found: Any) -> str:
 
 
 def check_backbone_layers(module: nn.Module, path: str, backbone: nn.Sequential, K: int) -> None:
-    """At setup, on every rank: K stages need K layers, and no model around the backbone may run its layers one at
-    a time itself (timm's or HuggingFace's own gradient checkpointing)."""
+    """At setup, on every rank: K stages need K layers, the backbone nothing but its layers, the module no
+    nn.SyncBatchNorm, and no model around the backbone may run its layers one at a time itself (timm's or
+    HuggingFace's own gradient checkpointing)."""
+    check_plain_sequential(backbone, f"GPipeStrategy(backbone={path!r}): self.{path}")
+    norms = sync_batch_norms(module)
+    if norms:
+        fix = (
+            "pass Trainer(sync_batchnorm=True): GPipeStrategy then normalizes each micro-batch with the statistics "
+            f"of all data-parallel replicas of its stage, in the BatchNorm layers of self.{path}"
+        )
+        raise TypeError(sync_batch_norm_error(norms, f"GPipeStrategy: {type(module).__name__}", fix))
     for name, owner in module.named_modules():
         timm = getattr(owner, "grad_checkpointing", False) is True
         hf = getattr(owner, "gradient_checkpointing", False) is True

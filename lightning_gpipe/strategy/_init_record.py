@@ -26,6 +26,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_gpipe.strategy._hf_init import HuggingFaceInit
+
 # Creations that leave the values undefined: a parameter made so and never written was initialized by something
 # the recorder did not see (an initializer that skips meta tensors), or by nothing.
 _EMPTY = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
@@ -247,12 +249,14 @@ class InitRecord:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, record: InitRecord) -> None:
+    def __init__(self, record: InitRecord, huggingface: HuggingFaceInit) -> None:
         super().__init__()
-        self.record = record
+        self.record, self.huggingface = record, huggingface
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.huggingface.pending:  # transformers imported inside configure_model(): patched before its models
+            self.huggingface.poll()
         # Property reads (shape, data, T) write nothing and make no storage; they are most of the calls.
         if self.record._unit_depth or getattr(func, "__name__", "") == "__get__":
             return func(*args, **kwargs)
@@ -274,15 +278,21 @@ def record_init(known: Iterable[Tensor] = ()) -> Iterator[InitRecord]:
     """Record the initialization of the meta tensors made inside. torch.nn.init's orthogonal_, dirac_, sparse_
     and trunc_normal_ return at once on a meta tensor, below any mode's sight, so every public torch.nn.init
     initializer is wrapped here to be recorded as one call (found by attribute: ``nn.init.orthogonal_(w)``, not a
-    name imported from torch.nn.init before)."""
+    name imported from torch.nn.init before). A transformers model initializes as on a real device (see
+    ``_hf_init``)."""
     record = InitRecord(known)
     init = torch.nn.init
     originals = {n: f for n, f in vars(init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
+    wrapped = {}
     for n, f in originals.items():
-        setattr(init, n, _unit(record, f))
+        setattr(init, n, wrapper := _unit(record, f))
+        wrapped[id(wrapper)] = f
+    huggingface = HuggingFaceInit(functools.partial(_unit, record), wrapped)
     try:
-        with _Recorder(record):
+        huggingface.poll()
+        with _Recorder(record, huggingface):
             yield record
     finally:
+        huggingface.restore()
         for n, f in originals.items():
             setattr(init, n, f)

@@ -9,7 +9,6 @@ so that every layout draws the same), so they must come from the same distributi
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 from typing import Any
@@ -23,10 +22,10 @@ from torch.nn.init import orthogonal_  # imported before recording: torch.nn.ini
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe.strategy._materialize import materialize, record_init
+from tests.helpers.init_summary import MARK, assert_same_distribution, summary
 from tests.helpers.launch import quiet_trainer, run_distributed
 
 SEED, SIDE, CLASSES = 11, 32, 10
-MARK = "GPipeStrategy built the model on the meta device"
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -119,22 +118,6 @@ class Split(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def summary(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """Per tensor: a digest of its exact bytes, and its moments (for comparing draws of one distribution)."""
-    out = {}
-    for k, v in module.state_dict().items():
-        v = v.detach().cpu()
-        f = v.double()
-        out[k] = {
-            "sha": hashlib.sha1(v.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
-            "numel": v.numel(),
-            "mean": f.mean().item(),
-            "std": f.std().item() if v.numel() > 1 else 0.0,
-            "max": f.abs().max().item(),
-        }
-    return out
-
-
 def built_normally(kind: str, seed: int) -> dict[str, dict[str, Any]]:
     pl.seed_everything(seed, verbose=False)
     module = Split(kind)
@@ -151,13 +134,6 @@ def built_as_gpipe_does(kind: str) -> dict[str, dict[str, Any]]:
         warnings.simplefilter("error", UserWarning)  # no tensor of these models may fall back
         materialize(module, dict(module.named_modules()), torch.device("cpu"), SEED, record)
     return summary(module)
-
-
-def assert_same_distribution(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
-    n, std = want["numel"], want["std"]
-    # 6 standard errors of the sample std (≈ std / sqrt(2n)) and of the mean (std / sqrt(n)).
-    assert abs(got["std"] - std) <= 6 * std / math.sqrt(2 * n) + 1e-12, (name, got, want)
-    assert abs(got["mean"] - want["mean"]) <= 6 * std * math.sqrt(2 / n) + 1e-12, (name, got, want)
 
 
 # -------------------------------------------------------------------------------------- through GPipeStrategy
