@@ -24,6 +24,7 @@ from lightning_gpipe.strategy._mesh import PipelineMesh
 from lightning_gpipe.strategy._metric_groups import sync_metrics_over
 from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel
 from lightning_gpipe.strategy._precision import fit_to_pipeline
+from lightning_gpipe.strategy._state_owners import HeldBuffers
 from lightning_gpipe.strategy._step_results import abort_on_error
 from lightning_gpipe.strategy._trace import StepTracer
 from lightning_gpipe.strategy._weight_copies import WeightCopies
@@ -81,6 +82,7 @@ class RankPipeline:
         # only when the backbone was pipelined here.
         self.plain_parameter_names = plain_parameter_names
         self.copies: WeightCopies | None = None
+        self.held_buffers: HeldBuffers | None = None
         self._dp_reduce: OverlappedReduction | None = None
         self._ready: ReadyBuckets | None = None
 
@@ -158,6 +160,7 @@ class RankPipeline:
                 module, self.stage, mesh.K, mesh.rank, mesh.pp_group, mesh.dp_group, mesh.header_group
             )
             self.copies.broadcast_initial_state()
+            self.held_buffers = HeldBuffers(module, self.stage, mesh.pp_group, mesh.header_group)
         sync_metrics_over(module, mesh.dp_group)
         # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere.
         params, copied = list(module.parameters()), self.copies.copied
@@ -165,6 +168,11 @@ class RankPipeline:
         self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes, hierarchy, votes)
         self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes, hierarchy, vote_group=votes)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
+
+    def sync_held_buffers(self) -> None:
+        """After a training step: the buffers its layers changed, copied to their holders on the other stages."""
+        if self.held_buffers is not None:
+            self.held_buffers.sync()
 
     def backward(
         self, path: str, loss: Tensor, last_stage_backward: Callable[[], None], tracer: StepTracer, reduce: bool
