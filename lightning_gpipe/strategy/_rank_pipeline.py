@@ -15,8 +15,10 @@ from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
 from lightning_gpipe.pipe.schedule import Checkpoint
+from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import check_backbone_layers
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
+from lightning_gpipe.strategy._averaged import WeightAverages
 from lightning_gpipe.strategy._balance import StrategyBalance, plan_balance, shown_costs
 from lightning_gpipe.strategy._loss_audit import check_loss
 from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
@@ -108,6 +110,8 @@ class RankPipeline:
         check_backbone_layers(module, path, backbone, K)  # on every rank, before any collective
         names = [n for n, _ in module.named_parameters()]
         audit = BackboneAudit(module, backbone, path)
+        averages = WeightAverages(module, backbone, path, audit.references, internals.averaged_copies(module))
+        audit.findings += averages.findings
         on_meta = has_meta_tensors(module)
         whole = dict(module.named_modules()) if on_meta else {}
         plan = plan_balance(
@@ -143,6 +147,7 @@ class RankPipeline:
         )
         report = PartitionReport(whole_model, plan, stage.balance, costs)
         audit.hand_over(stage, log=rank == 0)
+        averages.follow(stage)
         step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
         if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
             seed = broadcast(torch.initial_seed())

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.strategy._audit import outside_modules
+from lightning_gpipe.strategy._lightning_internals import broadcast_coalesced
 
 _BUCKET = 25 * 2**20
 
@@ -69,23 +70,24 @@ class HeldBuffers:
 
     def __init__(self, module: nn.Module, stage: nn.Module, pp_group: Any, header_group: Any) -> None:
         self.pp_group = pp_group
-        seen: dict[int, torch.Tensor] = {}
+        # By holder and name, looked up at each sync: a buffer may be replaced (SWA resets BatchNorm statistics so).
+        seen: dict[int, tuple[nn.Module, str]] = {}
         for _, m in outside_modules(module, stage):
-            for b in m._buffers.values():
+            for name, b in m._buffers.items():
                 if b is not None:
-                    seen.setdefault(id(b), b)
+                    seen.setdefault(id(b), (m, name))
         held = list(seen.values())
         ids = {id(t) for t in stage.buffers()}
-        mine = [id(b) in ids for b in held]
+        mine = [id(m._buffers[name]) in ids for m, name in held]
         runs: list[Any] = [mine]
         if pp_group is not None and dist.get_world_size(pp_group) > 1:
             runs = [None] * dist.get_world_size(pp_group)
             dist.all_gather_object(runs, mine, group=header_group)
-        by_stage: dict[int, list[torch.Tensor]] = {}
-        for i, b in enumerate(held):
+        by_stage: dict[int, list[tuple[nn.Module, str]]] = {}
+        for i, place in enumerate(held):
             src = next((k for k, flags in enumerate(runs) if flags[i]), None)
             if src is not None:  # a buffer outside the backbone only is the same on every stage, or unused
-                by_stage.setdefault(src, []).append(b)
+                by_stage.setdefault(src, []).append(place)
         self.by_stage = sorted(by_stage.items())
 
     def __bool__(self) -> bool:
@@ -95,5 +97,6 @@ class HeldBuffers:
         """Every holder of such a buffer takes its stage's value (a collective of the pipeline's stages)."""
         if not self:
             return
-        for src, tensors in self.by_stage:
-            dist._broadcast_coalesced(self.pp_group, [t.detach() for t in tensors], _BUCKET, src)
+        for src, places in self.by_stage:
+            tensors = [m._buffers[name] for m, name in places]
+            broadcast_coalesced(self.pp_group, [t.detach() for t in tensors if t is not None], _BUCKET, src)
