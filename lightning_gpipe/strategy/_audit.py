@@ -56,13 +56,19 @@ def point_at_stage(references: list[tuple[str, Any, str | int]], stage: nn.Modul
         container[key] = stage
 
 
+class StagePart(nn.Module):
+    """Base of the modules that hold this rank's part of a copy of the backbone (an average of its weights): like
+    the stage, each rank holds another part, so none of them is among the modules kept on every stage."""
+
+
 def outside_modules(root: nn.Module, backbone: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Modules reachable from ``root`` without entering ``backbone``, with the first path that reaches them."""
+    """Modules reachable from ``root`` without entering ``backbone`` (or a :class:`StagePart`), with the first path
+    that reaches them."""
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
         name, m = stack.pop()
-        if m is backbone or id(m) in seen:
+        if m is backbone or isinstance(m, StagePart) or id(m) in seen:
             continue
         seen.add(id(m))
         yield name, m

@@ -28,9 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lightning_gpipe.strategy import _optimizer_format as optimizer_format
 from lightning_gpipe.strategy._checkpoint_errors import agreed
+from lightning_gpipe.strategy._state_owners import Owners
 
 METADATA = "meta.pt"  # the same name Lightning's own sharded checkpoints use
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# The checkpoint's entries that hold the module's state: Lightning's WeightAveraging callback puts the average under
+# "state_dict" and the live weights under "current_model_state". Each rank holds its part, under global names.
+MODEL_STATES = ("state_dict", "current_model_state")
 
 
 def local_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -58,17 +62,33 @@ def save(
     rank: int,
     sharded: bool,
     order: list[str] | None,
+    stage: nn.Module,
+    K: int,
 ) -> None:
     """A folder (``sharded``) or one file; either raises the same error on every rank when any rank fails, so none
-    is left waiting at a collective. ``order``: the plain module's parameter names in order, if known."""
+    is left waiting at a collective. ``order``: the plain module's parameter names in order, if known. Every key of
+    the module's state is written by its owner (``_state_owners``: this rank's ``stage`` of ``K``)."""
+    states = model_states(checkpoint, model)
+    owners = Owners(model, stage, K, {k for state in states.values() for k in state})
+    mine = {name: owners.owned(state) for name, state in states.items()}
     if sharded:
-        save_sharded(checkpoint, path, model, optimizers, rank)
+        save_sharded(checkpoint, path, model, optimizers, rank, mine)
     else:
-        save_single_file(checkpoint, path, model, optimizers, rank, order)
+        save_single_file(checkpoint, path, model, optimizers, rank, order, mine)
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list, rank: int) -> None:
-    """A DCP folder: tensors written once (keys replicated on several ranks are de-duplicated), the rest in meta.pt."""
+def model_states(checkpoint: dict[str, Any], model: nn.Module) -> dict[str, dict[str, Any]]:
+    """This rank's module states in ``checkpoint`` (as Lightning and its callbacks left them), by entry."""
+    states = {name: checkpoint[name] for name in MODEL_STATES if isinstance(checkpoint.get(name), dict)}
+    states.setdefault("state_dict", get_model_state_dict(model))
+    return states
+
+
+def save_sharded(
+    checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list, rank: int, mine: dict[str, Any]
+) -> None:
+    """A DCP folder: each module state key written by its owner, optimizer states de-duplicated, the rest in
+    meta.pt."""
 
     def failed(causes: str) -> str:
         return (
@@ -79,17 +99,23 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, model: nn.Module, optim
 
     def prepare() -> dict[str, Any]:
         path.mkdir(parents=True, exist_ok=True)
-        return local_state(model, optimizers)
+        return {**local_state(model, optimizers), **mine}
 
     agreed(lambda: path.unlink() if rank == 0 and path.is_file() else None, failed)  # an old single-file checkpoint
-    checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    checkpoint = {k: v for k, v in checkpoint.items() if k not in (*MODEL_STATES, "optimizer_states")}
     state = agreed(prepare, failed)
     agreed(lambda: dcp.save(state, checkpoint_id=path), failed)  # DCP raises on every rank alike; agreed for safety
     agreed(lambda: torch.save(checkpoint, path / METADATA) if rank == 0 else None, failed)
 
 
 def save_single_file(
-    checkpoint: dict[str, Any], path: Path, model: nn.Module, optimizers: list, rank: int, order: list[str] | None
+    checkpoint: dict[str, Any],
+    path: Path,
+    model: nn.Module,
+    optimizers: list,
+    rank: int,
+    order: list[str] | None,
+    mine: dict[str, Any],
 ) -> None:
     """One ordinary Lightning checkpoint on rank 0, as a plain (single-device) Trainer writes it: the plain module's
     keys, and each optimizer's state in torch's position-numbered format when the positions are provable."""
@@ -104,8 +130,8 @@ def save_single_file(
     layouts = _gather([optimizer_format.layout(model, optimizer) for optimizer in optimizers])
     plans = [optimizer_format.positions([lay[i] for lay in layouts], order) for i in range(len(optimizers))]
 
-    def mine() -> dict[str, Any]:
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    def part() -> dict[str, Any]:
+        state: dict[str, Any] = dict(mine)
         for i, (optimizer, plan) in enumerate(zip(optimizers, plans)):
             if isinstance(plan, list):
                 state[f"optimizer_{i}"] = optimizer_format.named_state(model, optimizer)
@@ -113,11 +139,12 @@ def save_single_file(
                 state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
         return _to_cpu(state)
 
-    gathered = _gather(agreed(mine, failed))
+    gathered = _gather(agreed(part, failed))
 
     def write() -> None:
         merged = dict(checkpoint)
-        merged["state_dict"] = {k: v for part in gathered for k, v in part["state_dict"].items()}
+        for name in mine:  # each key from its owner alone
+            merged[name] = {k: v for part in gathered for k, v in part[name].items()}
         merged["optimizer_states"] = []
         for i, plan in enumerate(plans):
             parts = [part[f"optimizer_{i}"] for part in gathered]
@@ -176,8 +203,13 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: li
     state = local_state(model, optimizers)  # the keys this rank needs, and tensors to load into
     plain: dict[int, dict[str, Any]] = {}
     if is_sharded(path):
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        for name in MODEL_STATES[1:]:  # saved only by some callbacks: restored where saved
+            if any(k.startswith(f"{name}.") for k in stored):
+                state[name] = {k: v.detach().clone() for k, v in state["state_dict"].items() if torch.is_tensor(v)}
         dcp.load(state, checkpoint_id=path)
         rest = torch.load(path / METADATA, weights_only=False)
+        rest.update({name: state[name] for name in MODEL_STATES[1:] if name in state})
     else:
         full = agreed(
             lambda: torch.load(path, map_location="cpu", weights_only=False),
@@ -189,8 +221,12 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: li
                 plain[i] = _plain_optimizer_state(path, saved, [lay[i] for lay in layouts], order, i)
             else:  # written by an earlier version: flattened to global names
                 state[f"optimizer_{i}"] = {k: v for k, v in saved.items() if k in state[f"optimizer_{i}"]}
-        rest = {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")}
+        rest = {k: v for k, v in full.items() if k not in (*MODEL_STATES, "optimizer_states")}
+        for name in MODEL_STATES[1:]:
+            if isinstance(full.get(name), dict):
+                rest[name] = {k: v for k, v in full[name].items() if k in state["state_dict"]}
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    rest["state_dict"] = state["state_dict"]  # this rank's part, for the hooks that read it (on_load_checkpoint)
     for i, optimizer in enumerate(optimizers):
         if i in plain:
             optimizer.load_state_dict(plain[i])

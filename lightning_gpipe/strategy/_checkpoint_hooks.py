@@ -44,8 +44,10 @@ class CheckpointHooks(ParallelStrategy):
             raise TypeError("GPipeStrategy.save_checkpoint does not take storage_options (it has no CheckpointIO)")
         path = Path(self.broadcast(str(filepath)))
         assert self.model is not None
-        sharded, order = self.save_distributed_checkpoint, self._rank_pipeline.plain_parameter_names
-        checkpointing.save(checkpoint, path, self.model, self.optimizers, self.global_rank, sharded, order)
+        pipeline = self._rank_pipeline
+        sharded, order = self.save_distributed_checkpoint, pipeline.plain_parameter_names
+        args = (self.global_rank, sharded, order, pipeline.stage, pipeline.mesh.K)
+        checkpointing.save(checkpoint, path, self.model, self.optimizers, *args)
         self.barrier()
 
     @override

@@ -18,6 +18,9 @@ on). Kept here, and why no public API does it:
 - ``broadcast_coalesced``: torch's ``dist._broadcast_coalesced`` (what DDP syncs module states with) broadcasts many
   small tensors (logged values, the weights copied on every stage) in a few buckets; the public ``broadcast`` is one
   collective per tensor.
+- ``averaged_copies``: Lightning's ``WeightAveraging`` and ``StochasticWeightAveraging`` callbacks keep their copy
+  of the module in ``_average_model``, made in their ``setup`` before the strategy's (so it holds the whole backbone);
+  each rank's copy must follow its stage, and no public API reaches it.
 - ``route_norm_clipping``: Lightning clips through the precision plugin, with a local norm and no strategy hook;
   a pipeline needs the norm of the whole model across stages.
 - ``summarize_with``: the ``ModelSummary`` callback builds its summary in ``_summary`` (DeepSpeed's stage-3 summary
@@ -81,6 +84,7 @@ def broadcast_coalesced(group: dist.ProcessGroup, tensors: list[Tensor], bucket_
 __all__ = [
     "SubprocessScriptLauncher",
     "all_gather_ddp_if_available",
+    "averaged_copies",
     "broadcast_coalesced",
     "forward_cache",
     "init_dist_connection",
@@ -174,3 +178,22 @@ def summarize_with(trainer: pl.Trainer, summary: Callable[[pl.LightningModule, i
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, ModelSummary):
             callback._summary = build(callback._max_depth)  # type: ignore[method-assign,assignment]
+
+
+def averaged_copies(module: torch.nn.Module) -> list[tuple[Any, str]]:
+    """Where the weight-averaging callbacks of ``module``'s Trainer (none without one) hold their copy of it, as
+    (holder, attribute): ``WeightAveraging`` an ``AveragedModel`` of it in ``_average_model`` (the copy is its
+    ``module``), ``StochasticWeightAveraging`` a deepcopy of it there."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+    from torch.optim.swa_utils import AveragedModel
+
+    trainer = getattr(module, "_trainer", None)  # LightningModule.trainer raises where none is attached
+    found: list[tuple[Any, str]] = []
+    for callback in [] if trainer is None else trainer.callbacks:
+        average = getattr(callback, "_average_model", None)
+        if isinstance(callback, WeightAveraging) and isinstance(average, AveragedModel):
+            found.append((average, "module"))
+        elif isinstance(callback, StochasticWeightAveraging) and isinstance(average, torch.nn.Module):
+            found.append((callback, "_average_model"))
+    return found

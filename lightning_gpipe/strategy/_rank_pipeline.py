@@ -15,8 +15,10 @@ from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
 from lightning_gpipe.pipe.schedule import Checkpoint
+from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import check_backbone_layers
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
+from lightning_gpipe.strategy._averaged import WeightAverages
 from lightning_gpipe.strategy._balance import StrategyBalance, plan_balance, shown_costs
 from lightning_gpipe.strategy._loss_audit import check_loss
 from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
@@ -24,6 +26,7 @@ from lightning_gpipe.strategy._mesh import PipelineMesh
 from lightning_gpipe.strategy._metric_groups import sync_metrics_over
 from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel
 from lightning_gpipe.strategy._precision import fit_to_pipeline
+from lightning_gpipe.strategy._state_owners import HeldBuffers
 from lightning_gpipe.strategy._step_results import abort_on_error
 from lightning_gpipe.strategy._trace import StepTracer
 from lightning_gpipe.strategy._weight_copies import WeightCopies
@@ -81,6 +84,7 @@ class RankPipeline:
         # only when the backbone was pipelined here.
         self.plain_parameter_names = plain_parameter_names
         self.copies: WeightCopies | None = None
+        self.held_buffers: HeldBuffers | None = None
         self._dp_reduce: OverlappedReduction | None = None
         self._ready: ReadyBuckets | None = None
 
@@ -106,6 +110,8 @@ class RankPipeline:
         check_backbone_layers(module, path, backbone, K)  # on every rank, before any collective
         names = [n for n, _ in module.named_parameters()]
         audit = BackboneAudit(module, backbone, path)
+        averages = WeightAverages(module, backbone, path, audit.references, internals.averaged_copies(module))
+        audit.findings += averages.findings
         on_meta = has_meta_tensors(module)
         whole = dict(module.named_modules()) if on_meta else {}
         plan = plan_balance(
@@ -141,6 +147,7 @@ class RankPipeline:
         )
         report = PartitionReport(whole_model, plan, stage.balance, costs)
         audit.hand_over(stage, log=rank == 0)
+        averages.follow(stage)
         step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
         if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
             seed = broadcast(torch.initial_seed())
@@ -158,6 +165,7 @@ class RankPipeline:
                 module, self.stage, mesh.K, mesh.rank, mesh.pp_group, mesh.dp_group, mesh.header_group
             )
             self.copies.broadcast_initial_state()
+            self.held_buffers = HeldBuffers(module, self.stage, mesh.pp_group, mesh.header_group)
         sync_metrics_over(module, mesh.dp_group)
         # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere.
         params, copied = list(module.parameters()), self.copies.copied
@@ -165,6 +173,11 @@ class RankPipeline:
         self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes, hierarchy, votes)
         self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes, hierarchy, vote_group=votes)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
+
+    def sync_held_buffers(self) -> None:
+        """After a training step: the buffers its layers changed, copied to their holders on the other stages."""
+        if self.held_buffers is not None:
+            self.held_buffers.sync()
 
     def backward(
         self, path: str, loss: Tensor, last_stage_backward: Callable[[], None], tracer: StepTracer, reduce: bool

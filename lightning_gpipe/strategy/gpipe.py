@@ -334,6 +334,7 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
             else:
                 with self._micro.training_step(trainer, self._rank_pipeline, reduce=not self._sync_blocked):
                     output = super().training_step(*args, **kwargs)
+            self._rank_pipeline.sync_held_buffers()
         if audit is not None:
             audit(stage, batch)
         return output

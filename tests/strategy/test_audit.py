@@ -52,3 +52,37 @@ def test_layers_and_weights_shared_with_the_outside_are_named() -> None:
     assert [name for name, _ in outside_modules(model, model.backbone)] == ["", "embed", "trunk", "first"]
     params = outside_parameters(model, model.backbone)
     assert [id(p) for p in params] == [id(model.embed.weight), id(model.first.weight), id(model.first.bias)]
+
+
+@pytest.mark.timeout(10)
+def test_averaged_copies_of_the_backbone_follow_the_stage_and_others_are_refused() -> None:
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel
+
+    from lightning_gpipe.strategy._audit import BackboneAudit
+    from lightning_gpipe.strategy._averaged import StageCopy, WeightAverages
+
+    model = Model()
+    model.ema = AveragedModel(model.backbone)  # a deepcopy, made before the split: found by its structure
+    model.head_ema = AveragedModel(model.embed)  # an average of something else: left alone
+    callback_copy = copy.deepcopy(model)  # as StochasticWeightAveraging's copy of the whole module
+    holder = nn.Module()
+    holder.average = callback_copy
+    audit = BackboneAudit(model, model.backbone, "backbone")
+    averages = WeightAverages(model, model.backbone, "backbone", audit.references, [(holder, "average")])
+    assert len(averages.copies) == 3, averages.findings  # self.ema, the callback's copy, and the ema inside it
+    stage = nn.Sequential()
+    stage.add_module("2", nn.Linear(4, 5, bias=False))  # as the last stage: layer 2 under its name
+    averages.follow(stage)
+    assert isinstance(model.ema.module, StageCopy) and list(model.ema.module.state_dict()) == ["2.weight"]
+    assert isinstance(callback_copy.backbone, StageCopy) and callback_copy.trunk.blocks is callback_copy.backbone
+    assert isinstance(callback_copy.ema.module, StageCopy) and not isinstance(model.head_ema.module, StageCopy)
+    # Averaging pairs the copy with the model tensor for tensor: the same names, in the same order.
+    assert list(model.ema.module.state_dict()) == list(stage.state_dict())
+
+    odd = Model()
+    odd.ema = AveragedModel(nn.ModuleList([odd.backbone, odd.embed]))  # holds the backbone's copy, is no holder
+    refs = BackboneAudit(odd, odd.backbone, "backbone").references
+    with pytest.raises(TypeError, match=r"self.ema averages a module that holds a copy of self.backbone"):
+        WeightAverages(odd, odd.backbone, "backbone", refs, [])

@@ -171,3 +171,24 @@ def test_broadcast_coalesced_overwrites_in_place_from_the_source(tmp_path: Any) 
         assert all(torch.equal(a, b) for a, b in zip(tensors, before))
     finally:
         dist.destroy_process_group()
+
+
+def test_averaging_callbacks_keep_their_copy_of_the_module_in_average_model() -> None:
+    """WeightAveraging holds an AveragedModel of the module (its copy in ``.module``), StochasticWeightAveraging a
+    deepcopy of the module, both in ``_average_model`` and both made in ``setup``, before the strategy's."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
+
+    ema, swa = EMAWeightAveraging(decay=0.5), StochasticWeightAveraging(swa_lrs=0.1)
+    module = pl.LightningModule()
+    module.layer = torch.nn.Linear(2, 2)
+    trainer = quiet_trainer(callbacks=[ema, swa])
+    module.trainer = trainer
+    for callback in (ema, swa):
+        callback.setup(trainer, module, "fit")
+    found = internals.averaged_copies(module)
+    assert found == [(ema._average_model, "module"), (swa, "_average_model")]
+    for holder, attribute in found:
+        copy = getattr(holder, attribute)
+        assert copy is not module and list(copy.state_dict()) == list(module.state_dict())
+    assert internals.averaged_copies(pl.LightningModule()) == []  # no Trainer attached
