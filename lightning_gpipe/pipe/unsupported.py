@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 from torch import nn
 
 __all__ = ["check_plain_sequential", "sync_batch_norm_error", "sync_batch_norms"]
@@ -19,6 +22,14 @@ _HOOKS = {
 }
 
 
+def _profiler_range(hook: Any) -> bool:
+    """Lightning's ``PyTorchProfiler`` hooks on every module (``RegisterRecordFunction``): they only name a range of
+    the trace, which the stages' own ranges replace, so dropping them on the container changes nothing computed."""
+    while isinstance(hook, partial):
+        hook = hook.func
+    return type(getattr(hook, "__self__", None)).__name__ == "RegisterRecordFunction"
+
+
 def _additions(module: nn.Sequential) -> list[str]:
     """What ``module`` has beyond its layers: a stage keeps only the layers, so all of it would be dropped."""
     cls, found = type(module), []
@@ -30,7 +41,10 @@ def _additions(module: nn.Sequential) -> list[str]:
         names = [k for k, v in getattr(module, table).items() if v is not None]
         if names:
             found.append(f"{what} set on it directly ({', '.join(names)})")
-    hooks = [f"{len(getattr(module, t))} {what}" for t, what in _HOOKS.items() if getattr(module, t, None)]
+    counts = (
+        (len([h for h in getattr(module, t, {}).values() if not _profiler_range(h)]), w) for t, w in _HOOKS.items()
+    )
+    hooks = [f"{n} {what}" for n, what in counts if n]
     if hooks:
         found.append(f"hooks registered on it ({', '.join(hooks)})")
     return found
