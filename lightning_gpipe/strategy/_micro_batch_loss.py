@@ -216,15 +216,20 @@ class MicroBatchLoss:
                 payload = {"error": f"{type(e).__name__}: {e}"}
             finally:
                 module.log, module.log_dict = real_log, real_log_dict
+        return self._share(module, payload, device, "in pipeline_loss")["loss"].to(device)
+
+    def _share(self, module: Any, payload: dict[str, Any], device: torch.device, when: str) -> dict[str, Any]:
+        """The last stage's ``payload`` on every rank, its metric increments and logs applied alike; its error
+        raised on every rank."""
         if self.last is not None:
             box = [payload]
             dist.broadcast_object_list(box, src=self.last, group=self.group)
             payload = box[0]
         if "error" in payload:
-            raise RuntimeError(f"on the last stage, in pipeline_loss: {payload['error']}")
+            raise RuntimeError(f"on the last stage, {when}: {payload['error']}")
         absorb(module, payload["metrics"], device)
         replay(module, payload["logs"], device)
-        return payload["loss"].to(device)
+        return payload
 
     def _run(self, call: _Call, reduction: EarlyReduction | None) -> Tensor:
         stage, module = self.stage, call.module
@@ -249,14 +254,7 @@ class MicroBatchLoss:
             self.grads = {p: p.grad for p in params if p.grad is not None}
             for p, g in zip(params, parked):
                 p.grad = g
-        if self.last is not None:
-            box = [payload]
-            dist.broadcast_object_list(box, src=self.last, group=self.group)
-            payload = box[0]
-        if "error" in payload:
-            raise RuntimeError(f"on the last stage, after the pipeline: {payload['error']}")
-        absorb(module, payload["metrics"], device)
-        replay(module, payload["logs"], device)
+        payload = self._share(module, payload, device, "after the pipeline")
         self.loss = payload["loss"]
         # In the dtype pipeline_loss returned, as the plain run's loss is (float64 under "64-true").
         return torch.tensor(payload["loss"], dtype=payload["dtype"], device=device, requires_grad=True)
