@@ -68,7 +68,7 @@ def one_step(stage: GPipeStage, mode: str, reducers: tuple, x: torch.Tensor, y: 
             return nn.functional.mse_loss(out, y[lo[m] : lo[m] + sizes[m]]) * sizes[m] / N
 
         on_drain = lambda: drained(ready.launch_rest)  # noqa: E731
-        stage.train_step(x, loss, schedule="1f1b", before_last_backward=ready.arm, drained=on_drain)
+        stage.forward_backward(x, loss, schedule="1f1b", before_last_backward=ready.arm, drained=on_drain)
         pending[0].wait()
         return ends[0]
     out = stage(x)

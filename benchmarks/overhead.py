@@ -5,8 +5,8 @@
 # each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance), a training step = forward
 # + loss + backward + RMSProp update, with the stage's timeline on, along three loss paths, alternating step by step
 # in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
-# "gpipe" and "1f1b" (stage.train_step: the loss per micro-batch on the last stage, inside the pipeline). Each step is
-# traced on every stage (clocks lined up after a barrier), then broken down by
+# "gpipe" and "1f1b" (stage.forward_backward: the loss per micro-batch on the last stage, inside the pipeline). Each
+# step is traced on every stage (clocks lined up after a barrier), then broken down by
 # lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
 # load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
 # the step, and the efficiency (the ideal GPipe step over the measured one); medians over the clean traced steps. One
@@ -36,7 +36,7 @@ from lightning_gpipe.pipe.gantt import plot_timeline
 from lightning_gpipe.pipe.trace import Event
 
 # The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the two
-# schedules of GPipeStage.train_step (the loss per micro-batch on the last stage, inside the pipeline).
+# schedules of GPipeStage.forward_backward (the loss per micro-batch on the last stage, inside the pipeline).
 PATHS = ("whole-batch", "gpipe", "1f1b")
 # Disjoint shares of the whole step (first event to last on any stage, averaged over stages), in stacking order:
 # compute, the loss, then the rest of the bubble split into waiting for a peer's compute and the transfer itself,
@@ -49,7 +49,7 @@ SHARES = ("forward", "backward", "recompute", "loss", "bubble", "transfer", "loa
 def traced_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, target: torch.Tensor, path: str) -> list:
     """One training step along ``path`` with the timeline on; every stage's events, lined up at the step's start (a
     collective). The whole-batch loss and its backward are recorded as a "loss" event (micro-batch -1) on the last
-    stage, as the Lightning strategy records it; train_step records each micro-batch's loss itself."""
+    stage, as the Lightning strategy records it; forward_backward records each micro-batch's loss itself."""
     timeline = stage.timeline
     timeline.clear()
     timeline.enabled = True
@@ -62,7 +62,7 @@ def traced_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, tar
         stage.backward()
     else:
         per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
-        stage.train_step(x if stage.is_first else None, per_micro, schedule=path)
+        stage.forward_backward(x if stage.is_first else None, per_micro, schedule=path)
     start = time.perf_counter_ns()
     optimizer.step()
     timeline.events.append(Event("update", stage.index, -1, start, time.perf_counter_ns()))
@@ -290,7 +290,8 @@ def main() -> None:
         "time. "
         "Loss paths, alternating step by step in the same processes: whole-batch = `stage(x)`, the loss on the "
         "whole output on the last stage and its backward, `stage.backward()`; gpipe / 1f1b = "
-        "`stage.train_step(x, loss_fn, schedule=...)`, the loss per micro-batch (weighted n_m/N) on the last stage.",
+        "`stage.forward_backward(x, loss_fn, schedule=...)`, the loss per micro-batch (weighted n_m/N) on the last "
+        "stage.",
         "- efficiency: the ideal GPipe step (all the step's compute, the loss and the update, spread evenly over K "
         "stages and stretched by (M+K−1)/M) over the measured step (`lightning_gpipe.pipe.breakdown`).",
         "- bubble: time inside the pipeline (first forward to last backward) in which a stage computes nothing, "

@@ -43,11 +43,11 @@ FULL = {k: getattr(wl, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH"
 SMOKE = wl.SMOKE_ENCODER
 LENGTHS, SMOKE_LENGTHS = [16, 32, 24, 40, 8, 48, 32, 16, 56, 24], [8, 16, 4, 12]
 # ours except_last / always: the whole-batch loss path (stage(x), the loss on the last stage, stage.backward()).
-# ours gpipe / 1f1b: stage.train_step, the loss per micro-batch on the last stage, as torch's schedules do; with
+# ours gpipe / 1f1b: stage.forward_backward, the loss per micro-batch on the last stage, as torch's schedules do; with
 # checkpoint="always" every micro-batch is recomputed on every stage, the same re-materialization as torch's stages
 # (one torch.utils.checkpoint per stage); "(except_last)": ours' default, where a micro-batch whose backward follows
 # its forward keeps its graph (every one on the last stage).
-TRAIN = {  # system: (schedule, checkpoint) of ours via train_step
+TRAIN = {  # system: (schedule, checkpoint) of ours via forward_backward
     "ours gpipe": ("gpipe", "always"),
     "ours 1f1b": ("1f1b", "always"),
     "ours gpipe (except_last)": ("gpipe", "except_last"),
@@ -107,7 +107,7 @@ def run_job(rank: int, world: int, job: dict) -> dict:
         modules: dict[str, nn.Module] = dict(stages)
         runners = {n: zeroed(stages[n], lambda s=stages[n]: wl.ours_step(s, x, y)) for n in stages if n not in TRAIN}
         for name, (sched, _) in TRAIN.items():
-            runners[name] = zeroed(stages[name], lambda s=stages[name], k=sched: wl.ours_train_step(s, x, y, k))
+            runners[name] = zeroed(stages[name], lambda s=stages[name], k=sched: wl.ours_forward_backward(s, x, y, k))
         for name, sched in (("torch GPipe", "gpipe"), ("torch 1F1B", "1f1b")):
             schedule, modules[name] = wl.build_torch(model, rank, M, groups[name], "stage", sched)
             runners[name] = zeroed(modules[name], lambda s=schedule: wl.torch_step(s, last, x, y))
@@ -215,8 +215,8 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
         "`torch.utils.checkpoint` (every micro-batch recomputed), its schedules computing the loss per micro-batch "
         "on the last stage. Ours: `except_last` / `always` = the whole-batch loss path (`stage(x)`, the loss on the "
         "whole output, `stage.backward()`; `except_last` keeps the last micro-batch's graph, `always` recomputes "
-        "all); `gpipe` / `1f1b` = `stage.train_step(x, loss_fn, schedule=...)`, the loss per micro-batch on the last "
-        'stage like torch\'s, with `checkpoint="always"` (every micro-batch recomputed on every stage: the same '
+        "all); `gpipe` / `1f1b` = `stage.forward_backward(x, loss_fn, schedule=...)`, the loss per micro-batch on the "
+        'last stage like torch\'s, with `checkpoint="always"` (every micro-batch recomputed on every stage: the same '
         "re-materialization as torch's) or, marked `(except_last)`, ours' default (a micro-batch whose backward "
         "comes right after its forward keeps its graph: every one on the last stage). `plain` = the whole model on "
         "the whole batch in one process (rank 1, while rank 0 waits), no recomputation. All alternate step by step "
@@ -243,7 +243,7 @@ def markdown(env: dict, args: argparse.Namespace, raw: dict, tables: tuple, prob
         f"## Variable sequence length: {var}",
         "`torch GPipe rebuilt per step`: a new torch `GPipeStage` + `ScheduleGPipe` around the same stage module "
         "every step; its time includes the build and torch's runtime shape inference. `ours 1f1b (except_last)`: "
-        '`stage.train_step(..., schedule="1f1b")`, the loss per micro-batch. Step -1 is the warm-up.',
+        '`stage.forward_backward(..., schedule="1f1b")`, the loss per micro-batch. Step -1 is the warm-up.',
         table(var_rows, VAR_COLS.format(tol=REL_TOL)),
         table(per_step, STEP_COLS),
         "### torch's ScheduleGPipe built once (first length), then fed the next lengths",

@@ -2,7 +2,7 @@
 
 # rematerialize.first_forward takes the second on accelerators (the same kernels as the recompute) and the first on
 # the CPU. This measures what the second would cost on the CPU: peers.py's model (8 Transformer encoder layers, d 256,
-# batch 64 × 32), K = 2, M = 8, stage.train_step under each schedule, the two forwards alternating step by step in
+# batch 64 × 32), K = 2, M = 8, stage.forward_backward under each schedule, the two forwards alternating step by step in
 # the same two processes. `python -m benchmarks.remat_forward_ab` (about 3 min on 2 cores; `--smoke`: a small stack,
 # seconds; `--out-dir DIR`); results in benchmarks/README.md.
 
@@ -51,7 +51,7 @@ def run_job(rank: int, world: int, job: dict) -> dict[str, list[float]]:
         for name, forward in forwards.items():
             schedule_module.first_forward = forward  # type: ignore[assignment]
             start = time.perf_counter()
-            stage.train_step(x, loss, schedule=schedule)  # type: ignore[arg-type]
+            stage.forward_backward(x, loss, schedule=schedule)  # type: ignore[arg-type]
             if step >= size["warmup"]:
                 times[name].append(time.perf_counter() - start)
     return times
@@ -87,7 +87,7 @@ def main() -> None:
             f"(grad mode, nothing saved); median of the {len(now)} paired step ratios {paired:.3f}"
         )
     command = report.command_line("remat_forward_ab")
-    md = ["# A checkpointed forward, no_grad vs grad mode with nothing saved: train_step at K = 2", ""]
+    md = ["# A checkpointed forward, no_grad vs grad mode with nothing saved: forward_backward at K = 2", ""]
     md += [*report.environment_lines(env), f"- Command: `{command}`"]
     shape = ", ".join(f"{k} {v}" for k, v in size.items())
     md += [f"- {shape}; the two forwards alternate step by step in the same processes (stage 0's times)", ""]

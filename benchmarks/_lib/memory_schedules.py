@@ -1,4 +1,4 @@
-"""1F1B vs GPipe with the loss per micro-batch (train_step): peak activation memory per stage, and step time."""
+"""1F1B vs GPipe with the loss per micro-batch (forward_backward): peak activation memory per stage, and step time."""
 
 # Run through memory.py: python -m benchmarks.memory --schedules (its --models, --chunks, --device, --smoke,
 # --out-dir apply; --ks picks K). The models, batches, balance and meters are memory.py's (memory_models.py,
@@ -26,7 +26,7 @@ MB = 2**20
 METHOD = """\
 **Method.** One process per stage, one thread each, gloo on 127.0.0.1; `GPipeStage(checkpoint="never")` (every
 micro-batch keeps its activations from its forward to its backward), the same layers per stage for both schedules
-(memory.py's balance), M micro-batches of equal size; one step = `stage.train_step(x, loss_fn, schedule=...)` (the
+(memory.py's balance), M micro-batches of equal size; one step = `stage.forward_backward(x, loss_fn, schedule=...)` (the
 loss per micro-batch on the last stage, weighted n_m/N) + Adam. After a warm-up step on one micro-batch, each
 schedule's step is measured once, in the same processes: *peak activation* = the peak of the tensor storages
 allocated during the step (memory.py's exact count, a `TorchDispatchMode`; on CUDA `max_memory_allocated`), i.e.
@@ -56,7 +56,7 @@ def run(rank: int, world: int, job: dict) -> dict:
 
     def step(schedule: str, inputs: Any, tgt: torch.Tensor) -> None:
         per_micro = per_micro_batch(loss_fn, tgt, stage.micro_batch_sizes(inputs))
-        stage.train_step(inputs if stage.is_first else None, per_micro, schedule=schedule)  # type: ignore[arg-type]
+        stage.forward_backward(inputs if stage.is_first else None, per_micro, schedule=schedule)  # type: ignore[arg-type]
         opt.step()
 
     n = spec["N"] // M  # warm-up on one micro-batch of the measured shape (see memory.py)
@@ -171,7 +171,7 @@ def plot(data: dict) -> Any:
     ax.set(xlabel="model, K (stages), stage index", ylabel="peak activation of the step (MiB)")
     report.legend_right(ax, title="schedule")
     what = (
-        f"Peak activation per stage, GPipe vs 1F1B: the loss per micro-batch (train_step), M = {data['chunks']}, "
+        f"Peak activation per stage, GPipe vs 1F1B: the loss per micro-batch (forward_backward), M = {data['chunks']}, "
         "checkpoint=never"
     )
     return report.title(fig, what, data["environment"])

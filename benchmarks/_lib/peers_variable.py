@@ -53,7 +53,7 @@ def torch_rebuilt_step(module: nn.Module, rank: int, M: int, group: Any, x: torc
 
 
 def variable_lengths(rank: int, model: nn.Sequential, job: dict) -> list[dict]:
-    """The same layers, one step per length in turn: ours (whole-batch loss, and 1F1B via train_step), plain, and
+    """The same layers, one step per length in turn: ours (whole-batch loss, and 1F1B via forward_backward), plain, and
     torch's stage + schedule rebuilt every step."""
     M, last, half = job["var_m"], rank == 1, wl.LAYERS // 2
     g_ours, g_torch, g_1f1b = dist.new_group([0, 1]), dist.new_group([0, 1]), dist.new_group([0, 1])
@@ -71,7 +71,9 @@ def variable_lengths(rank: int, model: nn.Sequential, job: dict) -> list[dict]:
             "torch GPipe rebuilt per step": zeroed(
                 tmod, lambda x=x, y=y: torch_rebuilt_step(tmod, rank, M, g_torch, x, y)
             ),
-            "ours 1f1b (except_last)": zeroed(ours_1f1b, lambda x=x, y=y: wl.ours_train_step(ours_1f1b, x, y, "1f1b")),
+            "ours 1f1b (except_last)": zeroed(
+                ours_1f1b, lambda x=x, y=y: wl.ours_forward_backward(ours_1f1b, x, y, "1f1b")
+            ),
         }
         names = list(runners) if i % 2 == 0 else list(reversed(runners))
         rec: dict[str, Any] = {"step": i - 1, "L": L, "tokens": wl.BATCH * L, "warmup": i == 0}

@@ -70,8 +70,8 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def per_micro_batch(
     loss: Callable[[Any, torch.Tensor], torch.Tensor], target: torch.Tensor, sizes: list[int]
 ) -> Callable[[Any, int], torch.Tensor]:
-    """``GPipeStage.train_step``'s loss_fn: micro-batch m's loss weighted n_m / N, so the M terms add up to the whole
-    batch's mean (exact for a mean over samples, and for the token means here: no target token is padding)."""
+    """``GPipeStage.forward_backward``'s loss_fn: micro-batch m's loss weighted n_m / N, so the M terms add up to the
+    whole batch's mean (exact for a mean over samples, and for the token means here: no target token is padding)."""
     targets, total = target.split(sizes), sum(sizes)
     return lambda y, m: loss(y, targets[m]) * (sizes[m] / total)
 
@@ -175,10 +175,10 @@ def ours_step(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor) -> float | No
     return None if loss is None else loss.item()
 
 
-def ours_train_step(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor, schedule: str) -> float | None:
-    """``stage.train_step``: the MSE per micro-batch on the last stage (weighted n_m/N), GPipe or 1F1B."""
+def ours_forward_backward(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor, schedule: str) -> float | None:
+    """``stage.forward_backward``: the MSE per micro-batch on the last stage (weighted n_m/N), GPipe or 1F1B."""
     per_micro = per_micro_batch(F.mse_loss, y, stage.micro_batch_sizes(x))
-    losses = stage.train_step(x if stage.is_first else None, per_micro, schedule=schedule)  # type: ignore[arg-type]
+    losses = stage.forward_backward(x if stage.is_first else None, per_micro, schedule=schedule)  # type: ignore[arg-type]
     return torch.stack(losses).sum().item() if stage.is_last else None
 
 

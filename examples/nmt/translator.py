@@ -133,7 +133,7 @@ class Translator(pl.LightningModule):
 
     def pipeline_loss(self, logits: Tensor, batch: Batch, label_smoothing: float | None = None) -> Tensor:
         """Cross-entropy averaged over the target tokens that are not padding. Under GPipeStrategy it runs inside
-        the pipeline, per micro-batch on the last stage (weighted by :meth:`pipeline_loss_count`)."""
+        the pipeline, per micro-batch on the last stage (weighted by :meth:`pipeline_loss_denominator`)."""
         smoothing = self.hparams.label_smoothing if label_smoothing is None else label_smoothing
         return F.cross_entropy(
             # At least fp32 (a bf16 head's logits), float64 kept (the parity tests' precision).
@@ -143,7 +143,7 @@ class Translator(pl.LightningModule):
             label_smoothing=smoothing,
         )
 
-    def pipeline_loss_count(self, batch: Batch, label_smoothing: float | None = None) -> Tensor:
+    def pipeline_loss_denominator(self, batch: Batch, label_smoothing: float | None = None) -> Tensor:
         """What :meth:`pipeline_loss` averages over: a micro-batch's share of the loss is its share of these tokens."""
         return (batch["tgt_out"] != self.hparams.pad_id).sum()
 

@@ -6,6 +6,7 @@ from lightning_gpipe.pipe.batchnorm import (
     revert_deferred_batch_norm,
 )
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
+from lightning_gpipe.pipe.forward_backward import ScheduleName
 from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch_weights, split
 from lightning_gpipe.pipe.partition import Balance, resolve_balance, solve
 from lightning_gpipe.pipe.rematerialize import is_recomputing
@@ -13,7 +14,6 @@ from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.pipe.stage import GPipeStage
 from lightning_gpipe.pipe.trace import Timeline, gather_events, read_chrome_trace, write_chrome_trace
 from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble
-from lightning_gpipe.pipe.train_step import ScheduleName
 
 __all__ = [
     "Balance",

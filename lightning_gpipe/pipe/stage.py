@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -14,6 +15,7 @@ from torch.utils._pytree import tree_map
 from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.pipe.buffers import StatefulBuffers
 from lightning_gpipe.pipe.failures import FailureHandler
+from lightning_gpipe.pipe.forward_backward import LossFn, ScheduleName, forward_backward, validate_schedule
 from lightning_gpipe.pipe.indexing import LayerIndex, RemoteLayer
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.microbatch import plan_sizes
@@ -23,7 +25,6 @@ from lightning_gpipe.pipe.rng import mix, name_key, reseed
 from lightning_gpipe.pipe.schedule import Checkpoint, Schedule, validate_checkpoint
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.train_step import LossFn, ScheduleName, train_step, validate_schedule
 from lightning_gpipe.pipe.transport import (
     DEFAULT_TIMEOUT_S,
     Transport,
@@ -297,7 +298,7 @@ class GPipeStage(nn.Module):
             raise RuntimeError("backward() was called without a forward phase to drain: call the module first")
         self._schedule.backward(step, grad_output, self._output_mode, drained)
 
-    def train_step(
+    def forward_backward(
         self,
         input: Any,
         loss_fn: LossFn,
@@ -306,7 +307,8 @@ class GPipeStage(nn.Module):
         drained: Callable[[], None] | None = None,
         before_last_backward: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
-        """A whole training step with the loss inside the pipeline, forward and backward (see ``train_step``).
+        """A whole training step with the loss inside the pipeline, forward and backward, no optimizer step (see
+        ``pipe/forward_backward.py``).
 
         ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` on each micro-batch's
         output as soon as it exists and back-propagates the scalar it returns at once (weight it: ``n_m / N`` for a
@@ -319,9 +321,20 @@ class GPipeStage(nn.Module):
         """
         self._failures.check_usable()
         if self._step is not None:
-            raise RuntimeError("train_step() was called while a forward phase awaits its backward(): drain it first")
+            raise RuntimeError(
+                "forward_backward() was called while a forward phase awaits its backward(): drain it first"
+            )
         name = validate_schedule(schedule)
-        return train_step(self._schedule, input, self._chunks, loss_fn, name, drained, before_last_backward)
+        return forward_backward(self._schedule, input, self._chunks, loss_fn, name, drained, before_last_backward)
+
+    def train_step(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        """:meth:`forward_backward`'s name before 0.1.0 (one letter from Lightning's ``training_step``)."""
+        warnings.warn(
+            "GPipeStage.train_step is renamed GPipeStage.forward_backward; the old name stops working in 0.2",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.forward_backward(*args, **kwargs)
 
     def micro_batch_sizes(self, input: Any) -> list[int]:
         """n_m of each micro-batch this stage's pipeline splits ``input`` into (the same on every stage)."""

@@ -77,7 +77,7 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
     stages = sorted({e.stage for e in events})
     start, end = min(e.start_ns for e in events), max(e.end_ns for e in events)
     phases = [e for e in events if e.kind == "step"]
-    # A step with the loss inside the pipeline is one "train" phase (see pipe.train_step).
+    # A step with the loss inside the pipeline is one "train" phase (see pipe.forward_backward).
     fwd = [e.start_ns for e in phases if e.label in ("forward", "train")] or [start]
     bwd = [e.end_ns for e in phases if e.label in ("backward", "train")] or [end]
     p_start, p_end = min(fwd), max(bwd)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_deprecation
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.forward_backward import SCHEDULES
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
-from lightning_gpipe.pipe.train_step import SCHEDULES
 from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 from lightning_gpipe.strategy._balance import BALANCE_NAMES
 from lightning_gpipe.strategy._batch_check import CHECK_BATCHES
@@ -18,7 +21,7 @@ from lightning_gpipe.strategy._batch_check import CHECK_BATCHES
 def check_strategy_args(
     chunks: Any,
     pipeline_parallel_size: Any,
-    checkpoint: Any,
+    activation_checkpointing: Any,
     output: Any,
     batch_dim: Any,
     check_batches: Any,
@@ -29,8 +32,11 @@ def check_strategy_args(
         raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks, M, must be an int ≥ 1")
     if pipeline_parallel_size != "auto" and (not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1):
         raise ValueError(f"GPipeStrategy(pipeline_parallel_size={pipeline_parallel_size!r}): give an int ≥ 1 or 'auto'")
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {list(CHECKPOINT_MODES)}")
+    if activation_checkpointing not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"GPipeStrategy(activation_checkpointing={activation_checkpointing!r}): choose one of "
+            f"{list(CHECKPOINT_MODES)}"
+        )
     if output not in ("all", "placeholder"):
         raise ValueError(f"GPipeStrategy(output={output!r}): choose 'all' or 'placeholder'")
     if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
@@ -51,12 +57,38 @@ def check_strategy_args(
         )
 
 
-def check_loss_path(micro_batch_loss: Any, schedule: Any) -> None:
+# Renamed before 0.1.0 froze the names: old → new. The old ones warn until 0.2.
+RENAMED = {
+    "checkpoint": "activation_checkpointing",
+    "bucket_size_mb": "bucket_cap_mb",
+    "micro_batch_loss": "pipeline_loss",
+    "dp_reduction": "data_parallel_reduction",
+}
+
+
+def take_renamed(init: Callable[..., None], given: dict[str, Any]) -> dict[str, Any]:
+    """The new names' values where the caller used an old name (``given``: ``__init__``'s locals), each with a
+    deprecation warning; an old name beside its new one is an error."""
+    parameters = inspect.signature(init).parameters
+    taken = {}
+    for old, new in RENAMED.items():
+        if given[old] is None:
+            continue
+        if given[new] != parameters[new].default:
+            raise ValueError(f"GPipeStrategy({old}=..., {new}=...): {old} is the old name of {new}; give only {new}")
+        rank_zero_deprecation(
+            f"GPipeStrategy({old}=...) is renamed GPipeStrategy({new}=...); the old name stops working in 0.2"
+        )
+        taken[new] = given[old]
+    return taken
+
+
+def check_loss_path(pipeline_loss: Any, schedule: Any) -> None:
     """Where the loss runs, and in which order the micro-batches go when it runs inside the pipeline."""
-    if micro_batch_loss not in (True, False, "auto"):
+    if pipeline_loss not in (True, False, "auto"):
         raise ValueError(
-            f"GPipeStrategy(micro_batch_loss={micro_batch_loss!r}): choose 'auto' (inside the pipeline when the module "
-            "defines pipeline_loss), True or False"
+            f"GPipeStrategy(pipeline_loss={pipeline_loss!r}): choose 'auto' (inside the pipeline when the module "
+            "defines the pipeline_loss hook), True or False"
         )
     if schedule not in SCHEDULES:
         raise ValueError(f"GPipeStrategy(schedule={schedule!r}): choose one of {list(SCHEDULES)}")
@@ -151,8 +183,8 @@ def check_backbone_layers(module: nn.Module, path: str, backbone: nn.Sequential,
         raise ValueError(
             f"GPipeStrategy: {flag}: the model's forward then runs self.{path} one layer at a time through {runner}, "
             "but each rank holds only its stage's layers. The pipeline re-materializes already: GPipeStrategy("
-            "checkpoint='except_last') (the default) recomputes each micro-batch's activations in its backward, "
-            f"'always' keeps even fewer. Turn the model's own off: {off}"
+            "activation_checkpointing='except_last') (the default) recomputes each micro-batch's activations in its "
+            f"backward, 'always' keeps even fewer. Turn the model's own off: {off}"
         )
     if len(backbone) >= K:
         return

@@ -90,7 +90,7 @@ class PipelineMesh:
             if rank == 0 and hierarchy is not None:
                 logger.info(
                     f"GPipeStrategy: data-parallel reduction in steps over {hierarchy.nodes} nodes: within each node, "
-                    "among one rank per node, then back (dp_reduction='hierarchical')"
+                    "among one rank per node, then back (data_parallel_reduction='hierarchical')"
                 )
         timeout_s = (timeout or default_pg_timeout).total_seconds()
         return cls(

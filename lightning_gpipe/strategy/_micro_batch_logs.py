@@ -54,14 +54,14 @@ def _reduction(name: str, kwargs: dict[str, Any]) -> str:
             return candidate
     raise ValueError(
         f"self.log({name!r}, ..., reduce_fx={fx!r}) inside pipeline_loss: GPipeStrategy combines the micro-batches' "
-        f"values with one of {list(REDUCTIONS)}; log it in training_step instead, or micro_batch_loss=False"
+        f"values with one of {list(REDUCTIONS)}; log it in training_step instead, or pipeline_loss=False"
     )
 
 
 class LogRecorder:
     """Takes the place of ``self.log`` inside ``pipeline_loss`` on the last stage: one call per micro-batch and key,
     combined by the key's ``reduce_fx`` -- a mean weighted by ``batch_size`` where given, else by the micro-batch's
-    weight in the loss, which gives the whole batch's mean over samples (or over ``pipeline_loss_count``)."""
+    weight in the loss, which gives the whole batch's mean over samples (or over ``pipeline_loss_denominator``)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.keys: dict[str, _Key] = {}
@@ -175,7 +175,7 @@ def absorb(module: nn.Module, increments: dict[str, Any], device: torch.device) 
                 raise RuntimeError(
                     f"GPipeStrategy: the metric {name} ({type(metric).__name__}) was updated inside pipeline_loss, "
                     f"per micro-batch, and cannot add its steps' states together ({e}); update it in training_step, "
-                    "or micro_batch_loss=False"
+                    "or pipeline_loss=False"
                 ) from e
         set_forward_cache(metric, _on(value, device))
 

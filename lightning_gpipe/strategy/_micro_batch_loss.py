@@ -4,7 +4,7 @@ A training step on this path (``docs/design/micro-batch-loss.md``)::
 
     training_step(batch)                       every rank, the user's code
       out = self.backbone(x)                   -> a PipelineOutput marker; x kept, nothing runs yet
-      loss = self.pipeline_loss(out, batch)    -> stage.train_step: forward and backward of every micro-batch;
+      loss = self.pipeline_loss(out, batch)    -> stage.forward_backward: forward and backward of every micro-batch;
                                                   on the last stage pipeline_loss(y_m, batch_m) · w_m per micro-batch,
                                                   its self.log calls and metric updates recorded;
                                                   one broadcast: the loss, the combined logs, the metric increments;
@@ -12,7 +12,7 @@ A training step on this path (``docs/design/micro-batch-loss.md``)::
     backward(loss)                             the step's gradients (kept aside during training_step, which Lightning
                                                   follows with zero_grad) are added into .grad, then reduced
 
-Weights: w_m = c(B_m) / c(B) with c = ``pipeline_loss_count(*args)`` if the module defines it, else the number of
+Weights: w_m = c(B_m) / c(B) with c = ``pipeline_loss_denominator(*args)`` if the module defines it, else the number of
 samples; the whole batch's loss is then Σ_m w_m · loss_m exactly, for a loss that is a mean over what c counts.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_warn
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
@@ -39,14 +39,19 @@ from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, host
 from lightning_gpipe.strategy._rank_pipeline import EarlyReduction
 from lightning_gpipe.strategy._split_check import check_split_invariance
 
-HOOK, COUNT = "pipeline_loss", "pipeline_loss_count"
+HOOK, DENOMINATOR = "pipeline_loss", "pipeline_loss_denominator"
+OLD_DENOMINATOR = "pipeline_loss_count"  # its name before 0.1.0; read, with a deprecation warning, until 0.2
+
+
+def _denominator(module: Any) -> Callable[..., Any] | None:
+    return getattr(module, DENOMINATOR, None) or getattr(module, OLD_DENOMINATOR, None)
 
 
 def _misuse(what: str) -> TypeError:
     return TypeError(
-        f"GPipeStrategy(micro_batch_loss): the backbone's output was {what}. On this path it exists per micro-batch "
+        f"GPipeStrategy(pipeline_loss=...): the backbone's output was {what}. On this path it exists per micro-batch "
         "on the last stage only: pass it straight to self.pipeline_loss(output, batch), which computes the loss (and "
-        "logs and updates metrics) per micro-batch; or set GPipeStrategy(micro_batch_loss=False)"
+        "logs and updates metrics) per micro-batch; or set GPipeStrategy(pipeline_loss=False)"
     )
 
 
@@ -247,7 +252,7 @@ class MicroBatchLoss:
             if stage.is_last:
                 payload = self._last_stage(call, hooks)
             else:
-                stage.train_step(call.input, _never_called, schedule=self.schedule, **hooks)
+                stage.forward_backward(call.input, _never_called, schedule=self.schedule, **hooks)
             if reduction is not None:  # while the step's gradients are the only ones in .grad
                 reduction.finish(started[0] if started else None)
         finally:
@@ -263,7 +268,7 @@ class MicroBatchLoss:
         module, hook, input, args, kwargs = call.module, call.hook, call.input, call.args, call.kwargs
         sizes = micro_batch_sizes(batch_size(input, self.batch_dim), self.stage.chunks)
         pieces = split_by_sizes((args, kwargs), sizes, self.batch_dim)
-        count = getattr(module, COUNT, None)
+        count = _denominator(module)
         if count is not None:
             total, *counts = host_floats([count(*args, **kwargs), *(count(*a, **k) for a, k in pieces)])
             weights = [c / total if total else 0.0 for c in counts]
@@ -295,7 +300,7 @@ class MicroBatchLoss:
             return call.scale(loss * (weights[m] / call.accumulate))
 
         with step_only_metrics(module, increments):
-            self.stage.train_step(input, loss_fn, schedule=self.schedule, **hooks)
+            self.stage.forward_backward(input, loss_fn, schedule=self.schedule, **hooks)
         try:
             logs = recorder.logs(len(sizes))
             if check:
@@ -315,14 +320,19 @@ class MicroBatchLoss:
         defined = callable(getattr(module, HOOK, None))
         if setting is True and not defined:
             raise TypeError(
-                f"GPipeStrategy(micro_batch_loss=True) needs {type(module).__name__}.pipeline_loss(self, output, "
+                f"GPipeStrategy(pipeline_loss=True) needs {type(module).__name__}.pipeline_loss(self, output, "
                 "batch), called in training_step as self.pipeline_loss(self.backbone(x), batch); define it, or "
-                "micro_batch_loss='auto'"
+                "pipeline_loss='auto'"
             )
         inside = defined and setting is not False
+        if inside and callable(getattr(module, OLD_DENOMINATOR, None)) and not hasattr(module, DENOMINATOR):
+            rank_zero_deprecation(
+                f"{type(module).__name__}.{OLD_DENOMINATOR} is renamed {DENOMINATOR} (what the loss of a batch is a "
+                "mean over); the old name stops working in 0.2"
+            )
         schedule = args[1]
         if not inside and schedule != "gpipe":
-            why = "micro_batch_loss=False" if defined else f"{type(module).__name__} defines no pipeline_loss"
+            why = "pipeline_loss=False" if defined else f"{type(module).__name__} defines no pipeline_loss"
             raise ValueError(
                 f"GPipeStrategy(schedule={schedule!r}) orders the micro-batches of a step with the loss inside the "
                 f"pipeline, but {why}: the loss runs outside, after every micro-batch's forward (GPipe's order). "
@@ -340,9 +350,9 @@ class MicroBatchLoss:
         tol = max(1e-5, torch.finfo(closure_loss.dtype).eps) if closure_loss.is_floating_point() else 1e-5
         if not any(abs(got - self.loss / a) <= tol * max(1.0, abs(got)) for a in (1, accumulate)):
             raise RuntimeError(
-                f"GPipeStrategy(micro_batch_loss): the training step returned {got:.6g}, not the value of "
+                f"GPipeStrategy(pipeline_loss=...): the training step returned {got:.6g}, not the value of "
                 f"self.pipeline_loss ({self.loss:.6g}); only pipeline_loss is back-propagated through the pipeline, "
-                "so move every term of the loss into it, or set micro_batch_loss=False"
+                "so move every term of the loss into it, or set pipeline_loss=False"
             )
 
     def add_gradients(self, closure_loss: Tensor, trainer: Any, reduce: Callable[[], None] | None) -> None:

@@ -51,14 +51,16 @@ class StageOptions:
     batch_dim: int
     deferred_batch_norm: bool
     output: Literal["all", "placeholder"]
-    loss_inside: bool = False  # the module's pipeline_loss will run inside the pipeline
+    pipeline_loss: bool = False  # the module's pipeline_loss hook will run inside the pipeline
 
     @classmethod
     def of(cls, strategy: Any) -> StageOptions:
         """GPipeStrategy's values of them."""
         s = strategy
-        inside = s.micro_batch_loss is not False and callable(getattr(s.lightning_module, "pipeline_loss", None))
-        return cls(s.chunks, s.balance, s.checkpoint, s.batch_dim, s.deferred_batch_norm, s.output, inside)
+        inside = s.pipeline_loss is not False and callable(getattr(s.lightning_module, "pipeline_loss", None))
+        return cls(
+            s.chunks, s.balance, s.activation_checkpointing, s.batch_dim, s.deferred_batch_norm, s.output, inside
+        )
 
 
 class RankPipeline:
@@ -126,7 +128,7 @@ class RankPipeline:
             batch_dim=options.batch_dim,
             broadcast=broadcast,
             # With the loss inside, the last stage runs F + B per micro-batch, the others F + R + B: about 3 : 4.
-            last_stage_scale=0.75 if options.loss_inside and options.checkpoint != "never" else 1.0,
+            last_stage_scale=0.75 if options.pipeline_loss and options.checkpoint != "never" else 1.0,
         )
         # Taken from the whole backbone now, before the stage keeps only this rank's layers.
         costs = shown_costs(plan, backbone) if rank == 0 else plan.costs

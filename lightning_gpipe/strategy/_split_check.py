@@ -77,11 +77,11 @@ def check_split_invariance(
                 if other is None or abs(other - value) > tol * max(1.0, abs(value)):
                     shown = [batch_size(o, batch_dim) for o in outs]
                     raise ValueError(
-                        f"GPipeStrategy(micro_batch_loss): pipeline_loss does not add up over micro-batches: {key} is "
+                        f"GPipeStrategy(pipeline_loss=...): pipeline_loss does not add up over micro-batches: {key} is "
                         f"{value:.6g} on {n} samples at once but {other:.6g} on the same samples split {shown} and "
                         "weighted by their share of the batch. It must be a mean over samples; for a mean over "
-                        "something else (tokens that are not padding), define pipeline_loss_count(batch) returning "
-                        "that count; a loss that compares samples within the batch (contrastive, ranking, batch "
-                        "statistics after the backbone) belongs in training_step with GPipeStrategy("
-                        "micro_batch_loss=False)"
+                        "something else (tokens that are not padding), define pipeline_loss_denominator(batch) "
+                        "returning that count; a loss that compares samples within the batch (contrastive, ranking, "
+                        "batch statistics after the backbone) belongs in training_step with GPipeStrategy("
+                        "pipeline_loss=False)"
                     )

@@ -31,6 +31,7 @@ from lightning_gpipe.strategy._arguments import (
     find_backbone,
     reject_closure_replaying_optimizers,
     reject_unsupported,
+    take_renamed,
 )
 from lightning_gpipe.strategy._balance import StrategyBalance
 from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
@@ -74,8 +75,9 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         balance: how layers are split over the stages: ``"auto"`` ("flops" with an ``example_input_array``, else
             "parameters"), ``"flops"``, ``"time"`` (measured on rank 0), ``"parameters"``, K layer counts, or
             ``fn(index, layer) -> cost``. Rank 0 logs the split as a table at setup.
-        checkpoint: re-materialization: ``"except_last"`` recomputes each micro-batch's inner activations in the
-            backward except where its backward follows at once; ``"always"``; ``"never"`` keeps them all.
+        activation_checkpointing: re-materialization: ``"except_last"`` recomputes each micro-batch's inner
+            activations in the backward except where its backward follows at once; ``"always"``; ``"never"`` keeps
+            them all.
         batch_dim: the dimension of the backbone's input and output that holds the samples (1 for time-major).
         deferred_batch_norm: BatchNorm normalizes each micro-batch but updates its running statistics once per
             mini-batch, as on one device.
@@ -84,24 +86,29 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         save_distributed_checkpoint: save a torch.distributed.checkpoint folder (each rank its shard); ``False``
             writes one file with the plain module's keys, which ``load_from_checkpoint`` reads into a plain module
             (a folder consolidates into one with Lightning's tool). Either resumes in any layout.
-        bucket_size_mb: size of the buckets of the data-parallel gradient all-reduce.
+        bucket_cap_mb: size of the buckets of the data-parallel gradient all-reduce (torch DDP's name and default).
         process_group_backend: ``"nccl"`` on CUDA, ``"gloo"`` on CPU by default.
         timeout: of every collective and peer-to-peer wait; a stage that fails or hangs raises on every rank.
         trace_dir: write the ``trace_steps`` as Chrome traces and Gantt charts of every stage here (matplotlib).
         trace_steps: the optimizer steps (``trainer.global_step`` at their start) to trace.
         check_batches: when the stages compare fingerprints of their batches, which must be equal: the
             ``"first"`` step of every epoch, ``"always"`` or ``"never"``.
-        micro_batch_loss: ``"auto"`` runs ``pipeline_loss`` inside the pipeline where the module defines it;
-            ``True`` requires it, ``False`` keeps the loss on the whole output.
+        pipeline_loss: ``"auto"`` runs the module's ``pipeline_loss`` hook inside the pipeline where the module
+            defines it; ``True`` requires it, ``False`` keeps the loss on the whole output.
         schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (at most
             K − k micro-batches held on stage k instead of M: less activation memory, the same bubble; measured in
             ``benchmarks/README.md``).
-        dp_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket), ``"hierarchical"``
-            (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back; the same means to
-            fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and span several.
+        data_parallel_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket),
+            ``"hierarchical"`` (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back;
+            the same means to fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and
+            span several.
         data_loading: ``"every_stage"`` iterates each stage's own loader; ``"first_stage"`` iterates it on stage 0
             only, in a thread up to two batches ahead, and broadcasts each batch to the other stages of its
             pipeline (one input pipeline per pipeline: 1/K of the loading work, no per-stage augmentation to match).
+        checkpoint: deprecated, the name of ``activation_checkpointing`` before 0.1.0 (warns; removed in 0.2).
+        bucket_size_mb: deprecated, the name of ``bucket_cap_mb`` before 0.1.0 (warns; removed in 0.2).
+        micro_batch_loss: deprecated, the name of ``pipeline_loss`` before 0.1.0 (warns; removed in 0.2).
+        dp_reduction: deprecated, the name of ``data_parallel_reduction`` before 0.1.0 (warns; removed in 0.2).
     """
 
     strategy_name = "gpipe"
@@ -113,37 +120,53 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         backbone: str = "backbone",
         balance: StrategyBalance = "auto",
-        checkpoint: Checkpoint = "except_last",
+        activation_checkpointing: Checkpoint = "except_last",
         batch_dim: int = 0,
         deferred_batch_norm: bool = True,
         output: Literal["all", "placeholder"] = "all",
         save_distributed_checkpoint: bool = True,
-        bucket_size_mb: float = 25.0,
+        bucket_cap_mb: float = 25.0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         trace_dir: str | None = None,
         trace_steps: int | list[int] = 5,
         check_batches: CheckBatches = "first",
-        micro_batch_loss: bool | Literal["auto"] = "auto",
+        pipeline_loss: bool | Literal["auto"] = "auto",
         schedule: ScheduleName = "gpipe",
-        dp_reduction: DpReduction = "auto",
+        data_parallel_reduction: DpReduction = "auto",
         data_loading: DataLoading = "every_stage",
+        # The names before 0.1.0 (see the class docstring): None unless given.
+        checkpoint: Checkpoint | None = None,
+        bucket_size_mb: float | None = None,
+        micro_batch_loss: bool | Literal["auto"] | None = None,
+        dp_reduction: DpReduction | None = None,
     ) -> None:
         super().__init__()
-        check_strategy_args(chunks, pipeline_parallel_size, checkpoint, output, batch_dim, check_batches, balance)
-        check_loss_path(micro_batch_loss, schedule)
-        if dp_reduction not in DP_REDUCTIONS:
-            raise ValueError(f"GPipeStrategy(dp_reduction={dp_reduction!r}): choose one of {list(DP_REDUCTIONS)}")
+        renamed = take_renamed(GPipeStrategy.__init__, locals())
+        activation_checkpointing = renamed.get("activation_checkpointing", activation_checkpointing)
+        bucket_cap_mb = renamed.get("bucket_cap_mb", bucket_cap_mb)
+        pipeline_loss = renamed.get("pipeline_loss", pipeline_loss)
+        data_parallel_reduction = renamed.get("data_parallel_reduction", data_parallel_reduction)
+        check_strategy_args(
+            chunks, pipeline_parallel_size, activation_checkpointing, output, batch_dim, check_batches, balance
+        )
+        check_loss_path(pipeline_loss, schedule)
+        if data_parallel_reduction not in DP_REDUCTIONS:
+            raise ValueError(
+                f"GPipeStrategy(data_parallel_reduction={data_parallel_reduction!r}): choose one of "
+                f"{list(DP_REDUCTIONS)}"
+            )
         check_data_loading(data_loading)
-        self.dp_reduction, self.data_loading = dp_reduction, data_loading
+        self.data_parallel_reduction, self.data_loading = data_parallel_reduction, data_loading
         self._feed: BatchFeed | None = None
-        self.micro_batch_loss, self.schedule = micro_batch_loss, schedule
+        self.pipeline_loss, self.schedule = pipeline_loss, schedule
         self._micro: MicroBatchLoss | None = None
         self.trace_steps = check_trace_args(trace_dir, trace_steps)
         self.trace_dir = trace_dir
-        self.chunks, self.backbone, self.balance, self.checkpoint = chunks, backbone, balance, checkpoint
+        self.chunks, self.backbone, self.balance = chunks, backbone, balance
+        self.activation_checkpointing = activation_checkpointing
         self.output, self.batch_dim, self.deferred_batch_norm = output, batch_dim, deferred_batch_norm
-        self.save_distributed_checkpoint, self.bucket_size_mb = save_distributed_checkpoint, bucket_size_mb
+        self.save_distributed_checkpoint, self.bucket_cap_mb = save_distributed_checkpoint, bucket_cap_mb
         self.check_batches, self._pipeline_parallel_size = check_batches, pipeline_parallel_size
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._tracer = StepTracer(trace_dir, self.trace_steps)
@@ -241,7 +264,7 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
             device,
             K,
             max(1, self.num_processes),
-            self.dp_reduction,
+            self.data_parallel_reduction,
             input_group=self.data_loading == "first_stage",
         )
         assert self.lightning_module is not None
@@ -274,9 +297,9 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         with keeping_ties(self.model):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
-        self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_size_mb * 2**20))
+        self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_cap_mb * 2**20))
         args = (self.stage, self.schedule, self.batch_dim, mesh.header_group, self.precision_plugin)
-        self._micro = MicroBatchLoss.choose(module, self.micro_batch_loss, *args)
+        self._micro = MicroBatchLoss.choose(module, self.pipeline_loss, *args)
         if self._feed is None:
             self._feed = open_feed(mesh, self.stage.is_first, log=built)
         self.barrier()

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.forward_backward import SCHEDULES
 from lightning_gpipe.pipe.nccl_order import ENV, OrderedP2P, P2POrderError
-from lightning_gpipe.pipe.train_step import SCHEDULES
 from lightning_gpipe.pipe.transport import Transport
 from tests.helpers.launch import run_distributed
 
@@ -155,7 +155,7 @@ def _paths(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor, checkpoint: str)
             target = y[offsets[m] : offsets[m] + sizes[m]]
             return nn.functional.mse_loss(out, target, reduction="sum") / (y.numel())
 
-        stage.train_step(x, loss_fn, schedule=schedule)
+        stage.forward_backward(x, loss_fn, schedule=schedule)
         done.append(f"{checkpoint}/{schedule}:{_check(stage, expected, schedule)}")
     for output in ("last", "all"):  # forward-only: validation and predict
         stage.output_mode = output
@@ -212,7 +212,7 @@ def _old_layout(rank: int, world_size: int) -> str:
         return out.square().sum()
 
     try:
-        stage.train_step(x, loss_fn, schedule="gpipe")
+        stage.forward_backward(x, loss_fn, schedule="gpipe")
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "ran"
@@ -237,7 +237,7 @@ def _fails_in_the_loss(rank: int, world_size: int, schedule: str) -> dict:
 
     error = ""
     try:
-        stage.train_step(x, loss_fn, schedule=schedule)
+        stage.forward_backward(x, loss_fn, schedule=schedule)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
     transport = stage._failures._links.transport  # type: ignore[union-attr]

@@ -25,7 +25,7 @@ def _step(stage: GPipeStage, replica: int, step: int, hooks: dict[str, Any]) -> 
     sizes = micro_batch_sizes(N, M)
     lo = [sum(sizes[:m]) for m in range(M)]
     stage.zero_grad(set_to_none=True)
-    stage.train_step(
+    stage.forward_backward(
         x, lambda y, m: models.loss_fn(y, tgt[lo[m] : lo[m] + sizes[m]]) * sizes[m] / N, schedule="1f1b", **hooks
     )
 

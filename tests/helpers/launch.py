@@ -19,7 +19,12 @@ from tests.helpers.devices import ACCELERATOR, require_devices
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple, pg_timeout: float) -> None:
+def _entry(
+    fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple, pg_timeout: float, env: dict
+) -> None:
+    # A forkserver child has the server's environment, not the test's: give it the test's, as spawn would.
+    os.environ.clear()
+    os.environ.update(env)
     torch.set_num_threads(1)
     try:
         if pg_timeout > 0:
@@ -48,6 +53,17 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, results: Any, ar
         os._exit(0)
 
 
+_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_gpipe", "tests.helpers.models"]
+
+
+def _context() -> Any:
+    """A forkserver that has imported torch and Lightning once: each rank forks from it (~0.1 s) instead of
+    importing them again (~5 s of CPU per rank on this 2-core machine, several hundred times a suite)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -68,7 +84,7 @@ def run_distributed(
     """
     if lightning:
         require_devices(world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     # The parent hosts the rendezvous store, so no rank can take it down while the others still connect.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
@@ -77,7 +93,9 @@ def run_distributed(
         del store  # hand the port to the Trainer's own store on rank 0
         pg_timeout = 0
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, args, pg_timeout), daemon=False)
+        ctx.Process(
+            target=_entry, args=(fn, rank, world_size, port, results, args, pg_timeout, dict(os.environ)), daemon=False
+        )
         for rank in range(world_size)
     ]
     for p in procs:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.pipe import GPipeStage
 
 
 @pytest.mark.parametrize(
@@ -17,7 +20,11 @@ from lightning_gpipe import GPipeStrategy
         ({"chunks": True}, "chunks, M, must be an int ≥ 1"),
         ({"pipeline_parallel_size": 0}, "give an int ≥ 1 or 'auto'"),
         ({"pipeline_parallel_size": "all"}, "give an int ≥ 1 or 'auto'"),
-        ({"checkpoint": "sometimes"}, "choose one of ['always', 'except_last', 'never']"),
+        ({"activation_checkpointing": "sometimes"}, "choose one of ['always', 'except_last', 'never']"),
+        (
+            {"pipeline_loss": "yes"},
+            "choose 'auto' (inside the pipeline when the module defines the pipeline_loss hook)",
+        ),
         ({"output": "loss"}, "choose 'all' or 'placeholder'"),
         ({"batch_dim": -1}, "the dimension that holds the samples"),
         ({"batch_dim": False}, "the dimension that holds the samples"),
@@ -39,18 +46,65 @@ def test_bad_argument_is_named_with_its_fix(kwargs: dict[str, Any], expected: st
 
 
 def test_good_arguments_are_kept() -> None:
-    strategy = GPipeStrategy(chunks=4, pipeline_parallel_size=2, checkpoint="never", output="placeholder", batch_dim=1)
-    assert (strategy.chunks, strategy.checkpoint, strategy.output, strategy.batch_dim) == (4, "never", "placeholder", 1)
+    strategy = GPipeStrategy(
+        chunks=4, pipeline_parallel_size=2, activation_checkpointing="never", output="placeholder", batch_dim=1
+    )
+    kept = (strategy.chunks, strategy.activation_checkpointing, strategy.output, strategy.batch_dim)
+    assert kept == (4, "never", "placeholder", 1)
     assert GPipeStrategy.strategy_name == "gpipe"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("checkpoint", "activation_checkpointing", "always"),
+        ("bucket_size_mb", "bucket_cap_mb", 64.0),
+        ("micro_batch_loss", "pipeline_loss", False),
+        ("dp_reduction", "data_parallel_reduction", "flat"),
+    ],
+)
+def test_an_old_name_warns_with_the_new_one_and_still_works(old: str, new: str, value: Any) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"GPipeStrategy\({old}=...\) is renamed GPipeStrategy\({new}=...\)"):
+        strategy = GPipeStrategy(**{old: value})
+    assert getattr(strategy, new) == value
+    with pytest.raises(ValueError, match=f"{old} is the old name of {new}; give only {new}"):
+        GPipeStrategy(**{old: value, new: value})
+
+
+def test_the_engine_step_keeps_its_old_name_for_one_release() -> None:
+    stage = GPipeStage(nn.Sequential(nn.Linear(2, 2)), chunks=1)
+    x = torch.ones(2, 2)
+    with pytest.warns(FutureWarning, match="GPipeStage.train_step is renamed GPipeStage.forward_backward"):
+        losses = stage.train_step(x, lambda y, m: y.sum())
+    assert len(losses) == 1
 
 
 def test_dp_reduction_is_named_and_auto_goes_hierarchical_only_where_it_saves_traffic() -> None:
     from lightning_gpipe.strategy._mesh import hierarchical
 
-    with pytest.raises(ValueError, match=r"dp_reduction='tree'\): choose one of \['auto', 'flat', 'hierarchical'\]"):
-        GPipeStrategy(dp_reduction="tree")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"data_parallel_reduction='tree'\): choose one of \['auto', 'flat', 'hierarchical'\]"
+    ):
+        GPipeStrategy(data_parallel_reduction="tree")  # type: ignore[arg-type]
     # (world size, K, processes per node): replicas of a stage on one node and on others only in the first.
     assert hierarchical("auto", 8, 2, 4) and hierarchical("auto", 4, 1, 2)
     assert not hierarchical("auto", 4, 2, 2)  # one replica of each stage per node
     assert not hierarchical("auto", 4, 1, 4)  # one node
     assert hierarchical("hierarchical", 4, 1, 4) and not hierarchical("flat", 8, 2, 4)
+
+
+def test_the_old_name_of_the_loss_denominator_hook_is_read_with_a_warning() -> None:
+    from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss, _denominator
+
+    class OldNames(nn.Module):
+        def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+            return output.sum()
+
+        def pipeline_loss_count(self, batch: Any) -> int:
+            return 3
+
+    stage, module = GPipeStage(nn.Sequential(nn.Linear(2, 2)), chunks=1), OldNames()
+    with pytest.warns(DeprecationWarning, match="OldNames.pipeline_loss_count is renamed pipeline_loss_denominator"):
+        assert MicroBatchLoss.choose(module, "auto", stage, "gpipe", 0, None, None) is not None
+    hook = _denominator(module)
+    assert hook is not None and hook(None) == 3

@@ -303,7 +303,7 @@ def test_the_loss_inside_weighs_the_last_stage_by_three_quarters() -> None:
     strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=1)
     for hooked, inside_expected in ((True, True), (False, False)):
         strategy._lightning_module = lightning_module(hooked=hooked)
-        assert StageOptions.of(strategy).loss_inside is inside_expected
-    strategy.micro_batch_loss = False
+        assert StageOptions.of(strategy).pipeline_loss is inside_expected
+    strategy.pipeline_loss = False
     strategy._lightning_module = lightning_module(hooked=True)
-    assert StageOptions.of(strategy).loss_inside is False
+    assert StageOptions.of(strategy).pipeline_loss is False

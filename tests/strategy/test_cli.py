@@ -25,7 +25,7 @@ trainer:
     init_args:
       chunks: 2
       pipeline_parallel_size: 2
-      checkpoint: always
+      activation_checkpointing: always
 """
 
 
@@ -41,7 +41,7 @@ def test_yaml_config_and_overrides(tmp_path: Path) -> None:
     (tmp_path / "config.yaml").write_text(CONFIG)
     printed = _cli("fit", "--config", "config.yaml", "--print_config", cwd=tmp_path)
     assert printed.returncode == 0, printed.stderr[-2000:]
-    for expected in ("lightning_gpipe.GPipeStrategy", "chunks: 2", "checkpoint: always", "balance: auto"):
+    for expected in ("lightning_gpipe.GPipeStrategy", "chunks: 2", "activation_checkpointing: always", "balance: auto"):
         assert expected in printed.stdout, printed.stdout
     report = tmp_path / "report"
     run = _cli(

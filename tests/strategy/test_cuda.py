@@ -110,7 +110,7 @@ def test_examples_run_on_one_gpu(precision: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_loss_inside_on_one_gpu_equals_the_plain_model(schedule: str) -> None:
-    """train_step's per-micro-batch loss path on a GPU (K = 1, uneven micro-batches): the plain model's gradients."""
+    """forward_backward's loss per micro-batch on a GPU (K = 1, uneven micro-batches): the plain model's gradients."""
     torch.manual_seed(0)
     model = models.mlp().cuda()
     x, y = torch.randn(11, models.D, device="cuda"), torch.randn(11, models.D, device="cuda")
@@ -122,7 +122,7 @@ def test_loss_inside_on_one_gpu_equals_the_plain_model(schedule: str) -> None:
     def loss(out: torch.Tensor, m: int) -> torch.Tensor:
         return F.mse_loss(out, y[starts[m] : starts[m] + sizes[m]]) * sizes[m] / len(x)
 
-    stage.train_step(x, loss, schedule=schedule)
+    stage.forward_backward(x, loss, schedule=schedule)
     for (name, p), q in zip(stage.named_parameters(), plain.parameters()):
         assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() <= 1e-6, name
 
@@ -170,13 +170,13 @@ def test_device_syncs_per_step_do_not_grow_with_M(schedule: str) -> None:
         def loss(out: torch.Tensor, m: int, starts: list[int] = starts, sizes: list[int] = sizes) -> torch.Tensor:
             return F.mse_loss(out, y[starts[m] : starts[m] + sizes[m]], reduction="sum") / len(x)
 
-        stage.train_step(x, loss, schedule=schedule)  # warm-up: first-call allocations
+        stage.forward_backward(x, loss, schedule=schedule)  # warm-up: first-call allocations
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                stage.train_step(x, loss, schedule=schedule)
+                stage.forward_backward(x, loss, schedule=schedule)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts[M] = sum("synchroniz" in str(w.message) for w in caught)

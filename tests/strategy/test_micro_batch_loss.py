@@ -179,7 +179,7 @@ class BatchStatistic(HookModule):
 
 class SumOverSamples(HookModule):
     def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        return F.mse_loss(self.head(output), batch[1], reduction="sum")  # a sum: needs pipeline_loss_count = 1
+        return F.mse_loss(self.head(output), batch[1], reduction="sum")  # a sum: needs pipeline_loss_denominator = 1
 
 
 def misuse_worker(rank: int, world_size: int, kind: str) -> str:
@@ -203,7 +203,7 @@ def misuse_worker(rank: int, world_size: int, kind: str) -> str:
         ("outside", "move every term of the loss into it"),
         ("marker", "pass it straight to self.pipeline_loss"),
         ("statistic", "pipeline_loss does not add up over micro-batches: the loss is"),
-        ("sum", "define pipeline_loss_count(batch)"),
+        ("sum", "define pipeline_loss_denominator(batch)"),
     ],
 )
 def test_misuse_fails_on_every_rank_with_the_fix(kind: str, says: str) -> None:

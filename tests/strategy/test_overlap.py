@@ -45,7 +45,7 @@ def overlap_worker(rank: int, world_size: int, hooked: bool) -> dict[str, Any]:
         launches.append((time.perf_counter_ns(), ranks, str(tensor.dtype)))
         return launch(tensor, *args, group=group, **kwargs)
 
-    train_step = GPipeStage.train_step
+    forward_backward = GPipeStage.forward_backward
 
     def slow_step(self: GPipeStage, *args: Any, drained: Any = None, **kwargs: Any) -> Any:
         def timed() -> None:  # the loss inside the pipeline: stage 0's last backward made slow
@@ -55,10 +55,10 @@ def overlap_worker(rank: int, world_size: int, hooked: bool) -> dict[str, Any]:
             if drained is not None:
                 drained()
 
-        return train_step(self, *args, drained=timed, **kwargs)
+        return forward_backward(self, *args, drained=timed, **kwargs)
 
     GPipeStage.backward = slow_drain  # type: ignore[method-assign]
-    GPipeStage.train_step = slow_step  # type: ignore[method-assign]
+    GPipeStage.forward_backward = slow_step  # type: ignore[method-assign]
     dist.all_reduce = logged
     module = lightning_module(hooked=hooked)
     starts: list[int] = []

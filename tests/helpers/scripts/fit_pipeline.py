@@ -33,7 +33,7 @@ def main(out: str, num_nodes: int = 1, devices: int = 2, K: int | None = None, d
             chunks=3,
             timeout=timedelta(seconds=60),
             pipeline_parallel_size=K or "auto",
-            dp_reduction=dp_reduction,  # type: ignore[arg-type]
+            data_parallel_reduction=dp_reduction,  # type: ignore[arg-type]
         ),
         max_steps=steps,
     )

@@ -1,4 +1,4 @@
-"""The loss inside the pipeline (GPipeStage.train_step): the schedules as drawn, and the same run as the plain model."""
+"""The loss inside the pipeline (GPipeStage.forward_backward): the schedules as drawn, the plain model's run."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_gpipe.pipe.train_step as train_step_module
+import lightning_gpipe.pipe.forward_backward as forward_backward_module
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.errors import PipelineError
-from lightning_gpipe.pipe.train_step import OPS, LossFn, keeps_graph, one_f_one_b_ops
+from lightning_gpipe.pipe.forward_backward import OPS, LossFn, keeps_graph, one_f_one_b_ops
 from tests.helpers import models
 from tests.helpers.launch import run_distributed
 from tests.helpers.parity import (
@@ -58,8 +58,8 @@ def simulate(schedule: str, K: int, M: int) -> list[str]:
 
 
 def drawn(schedule: str) -> list[str]:
-    """The rows drawn in the docstring of pipe.train_step for ``schedule``, in the same format as simulate()."""
-    doc = train_step_module.__doc__ or ""
+    """The rows drawn in the docstring of pipe.forward_backward for ``schedule``, in the same format as simulate()."""
+    doc = forward_backward_module.__doc__ or ""
     column = 0 if schedule == "gpipe" else 1
     rows = []
     for line in doc.splitlines():
@@ -153,7 +153,9 @@ def run_case(kind: str, M: int, mode: str, schedule: str, balance: list[int], lo
             ref_loss = total / count
         ref_loss.backward()
         opt.zero_grad()
-        losses = stage.train_step(prefix(x), micro_loss(loss, tgt, ids, stage.micro_batch_sizes(x)), schedule=schedule)
+        losses = stage.forward_backward(
+            prefix(x), micro_loss(loss, tgt, ids, stage.micro_batch_sizes(x)), schedule=schedule
+        )
         if stage.is_last:
             assert len(losses) == len(stage.micro_batch_sizes(x))
             errs["loss"] = max(errs["loss"], rel_err(torch.stack(losses).sum(), ref_loss.detach()))
@@ -214,7 +216,7 @@ def batchnorm_worker(rank: int, world_size: int, schedule: str) -> dict[str, flo
         ref.zero_grad()
         models.loss_fn(ref_out, tgt).backward()
         stage.zero_grad()
-        stage.train_step(x, micro_loss("mean", tgt, x[:, 0], sizes), schedule=schedule)
+        stage.forward_backward(x, micro_loss("mean", tgt, x[:, 0], sizes), schedule=schedule)
         # Relative to the stage's largest gradient: a bias right before a BatchNorm has a gradient of zero in exact
         # arithmetic, so only rounding noise is left of it on both sides.
         scale = max(ref_params[n].grad.abs().max().item() for n, _ in stage.named_parameters())
@@ -234,7 +236,7 @@ def test_deferred_batchnorm_under_both_schedules(schedule: str) -> None:
 def bad_loss_worker(rank: int, world_size: int) -> str:
     stage = GPipeStage(models.mlp(), chunks=2, balance=[4, 4])
     try:
-        stage.train_step(models.make_input("mlp", 6), lambda y, m: y)  # not a scalar
+        stage.forward_backward(models.make_input("mlp", 6), lambda y, m: y)  # not a scalar
     except PipelineError as e:
         return str(e)
     return "no error"

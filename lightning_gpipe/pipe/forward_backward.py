@@ -77,7 +77,7 @@ def keeps_graph(mode: Checkpoint, ops: list[Op], m: int) -> bool:
     return ops[at + 1] == ("B", m)
 
 
-def train_step(
+def forward_backward(
     s: Schedule,
     input: Any,
     chunks: int,
