@@ -1,4 +1,5 @@
-"""Transparency, the core guarantee: a pipelined run is the same run as the unpartitioned model on one process."""
+"""The same run as the unpartitioned model on one process, for every K, M and re-materialization mode (GPipe calls
+this transparency): the core guarantee, on the engine."""
 
 from __future__ import annotations
 
