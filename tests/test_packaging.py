@@ -62,7 +62,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     # From a copy without this checkout's build/ (setuptools would reuse, and could ship, stale files from it).
     source = tmp_path_factory.mktemp("source") / "lightning-gpipe"
-    skip = shutil.ignore_patterns(".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".*_cache")
+    skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "runs", "*.egg-info", "__pycache__", ".*_cache")
     shutil.copytree(ROOT, source, ignore=skip)
     # Built as a user's pip builds it (isolated, setuptools from pip's index or cache), without the dependencies.
     subprocess.run(

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
+from lightning_gpipe.pipe._torch_internals import BatchNormBase, forward_hooks_always_called, version
 from lightning_gpipe.pipe.rematerialize import is_recomputing
 from lightning_gpipe.pipe.sync_batchnorm import Moments, check_same_m, merge_moments, sync_batch_norm
 
@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 _local = threading.local()
-_BATCH_NORMS: dict[int, type[_BatchNorm]] = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+_BATCH_NORMS: dict[int, type[BatchNormBase]] = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
 # Where a layer keeps its deferral: a plain attribute, so that state dicts stay those of the layer's own class.
 _ATTRIBUTE = "_deferred_statistics"
@@ -62,7 +62,7 @@ def deferred_statistics() -> Iterator[None]:
 
 def _version(t: torch.Tensor | None) -> int:
     try:
-        return -1 if t is None else t._version
+        return -1 if t is None else version(t)
     except RuntimeError:  # an inference tensor has no version counter
         return -1
 
@@ -107,7 +107,7 @@ class _Deferral:
         self.m2 = self.m2 + m2 + delta.square() * (self.count * n / total)
         self.count = total
 
-    def moments(self, layer: _BatchNorm) -> Moments:
+    def moments(self, layer: BatchNormBase) -> Moments:
         # A replica that saw no value still joins the merge, with zeros.
         assert layer.running_mean is not None, "only a layer that tracks running statistics accumulates"
         zeros = torch.zeros(layer.num_features, dtype=torch.float64, device=layer.running_mean.device)
@@ -135,7 +135,7 @@ class _Normalizations(TorchFunctionMode):
     statistics normalize alike but leave them alone (their statistics are accumulated), or with :attr:`sync_group`
     use the statistics of the replicas together. Everything else the forward does runs as written."""
 
-    def __init__(self, layer: _BatchNorm, state: _Deferral, deferring: bool) -> None:
+    def __init__(self, layer: BatchNormBase, state: _Deferral, deferring: bool) -> None:
         super().__init__()
         self.layer, self.state, self.deferring = layer, state, deferring
 
@@ -177,11 +177,11 @@ class _Normalizations(TorchFunctionMode):
 _Open = tuple[_Normalizations, bool, torch.Tensor | None, list[tuple[torch.Tensor | None, int]]]
 
 
-def _statistics(layer: _BatchNorm) -> list[tuple[torch.Tensor | None, int]]:
+def _statistics(layer: BatchNormBase) -> list[tuple[torch.Tensor | None, int]]:
     return [(b, _version(b)) for b in (layer._buffers.get("running_mean"), layer._buffers.get("running_var"))]
 
 
-def _before(layer: _BatchNorm, args: Any) -> None:
+def _before(layer: BatchNormBase, args: Any) -> None:
     state = _deferral(layer)
     if state is None or not layer.training:
         return
@@ -198,7 +198,7 @@ def _before(layer: _BatchNorm, args: Any) -> None:
     mode.__enter__()
 
 
-def _after(layer: _BatchNorm, args: Any, output: Any) -> None:
+def _after(layer: BatchNormBase, args: Any, output: Any) -> None:
     state = _deferral(layer)
     if state is None or state.open is None:
         return
@@ -223,7 +223,7 @@ def _after(layer: _BatchNorm, args: Any, output: Any) -> None:
         )
 
 
-def _defer(layer: _BatchNorm) -> None:
+def _defer(layer: BatchNormBase) -> None:
     if is_deferred(layer):
         return
     object.__setattr__(layer, _ATTRIBUTE, _Deferral())
@@ -237,10 +237,10 @@ def _undefer(layer: nn.Module) -> None:
     for hooks, hook in ((layer._forward_pre_hooks, _before), (layer._forward_hooks, _after)):
         for key in [key for key, h in hooks.items() if h is hook]:
             del hooks[key]
-            layer._forward_hooks_always_called.pop(key, None)
+            forward_hooks_always_called(layer).pop(key, None)
 
 
-class DeferredBatchNorm(_BatchNorm):
+class DeferredBatchNorm(BatchNormBase):
     """BatchNorm that normalizes each micro-batch with its own statistics (as GPipe does) but updates the running
     statistics once per mini-batch, exactly as nn.BatchNorm would on the whole mini-batch; for input of any
     dimension ≥ 2. A pipeline defers every BatchNorm in place (:func:`convert_deferred_batch_norm`): this class is
@@ -304,7 +304,7 @@ def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
     and ``num_batches_tracked`` as that forward would have on the whole mini-batch. Returns ``module``.
     """
     for layer in module.modules():
-        if isinstance(layer, _BatchNorm):
+        if isinstance(layer, BatchNormBase):
             _defer(layer)
     return module
 
@@ -320,7 +320,7 @@ def revert_deferred_batch_norm(module: nn.Module) -> nn.Module:
     return module
 
 
-def _rebuild(source: _BatchNorm, kind: type[_BatchNorm]) -> _BatchNorm:
+def _rebuild(source: BatchNormBase, kind: type[BatchNormBase]) -> BatchNormBase:
     # Built on meta, then handed the source's own parameters and buffers: optimizers and weight ties keep working.
     target = kind(
         source.num_features,
@@ -338,16 +338,16 @@ def _rebuild(source: _BatchNorm, kind: type[_BatchNorm]) -> _BatchNorm:
     return target
 
 
-def _deferred_layers(module: nn.Module) -> Iterator[tuple[_BatchNorm, _Deferral]]:
+def _deferred_layers(module: nn.Module) -> Iterator[tuple[BatchNormBase, _Deferral]]:
     for layer in module.modules():
         state = _deferral(layer)
         if state is not None:
-            assert isinstance(layer, _BatchNorm)
+            assert isinstance(layer, BatchNormBase)
             yield layer, state
 
 
 @torch.no_grad()
-def _fold(layer: _BatchNorm, state: _Deferral, moments: Moments) -> None:
+def _fold(layer: BatchNormBase, state: _Deferral, moments: Moments) -> None:
     count, mean, m2 = moments
     factor, tracked = state.factor, state.tracked
     state.reset()
@@ -365,7 +365,7 @@ def commit_deferred_batch_norm(module: nn.Module) -> None:
     Layers with a :attr:`~DeferredBatchNorm.sync_group` first merge their statistics over it, in one all_gather per
     group: every replica must call this at the same point (after each forward phase) with the same layers.
     """
-    synced: dict[int, tuple[dist.ProcessGroup, list[tuple[_BatchNorm, _Deferral]]]] = {}
+    synced: dict[int, tuple[dist.ProcessGroup, list[tuple[BatchNormBase, _Deferral]]]] = {}
     for layer, state in _deferred_layers(module):
         if not state.accumulated:
             continue

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
+from lightning_gpipe.pipe._torch_internals import keystr, tree_flatten, tree_flatten_with_path
 from lightning_gpipe.pipe.microbatch import is_per_sample_sequence
 
 _FIX = (

@@ -8,13 +8,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from lightning_gpipe.pipe._torch_internals import version
+
 Marks = dict[str, tuple[torch.Tensor, int]]
 Snapshot = dict[str, torch.Tensor]
 
 
 def _version(t: torch.Tensor) -> int:
     try:
-        return t._version
+        return version(t)
     except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version counter
         return -1
 

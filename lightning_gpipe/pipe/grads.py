@@ -48,7 +48,8 @@ def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     return out
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """The ranks in ``group``; None (no group) is this process alone."""
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -76,7 +77,7 @@ def used_somewhere(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> 
     return [p for p, used in zip(params, flags.tolist()) if used]
 
 
-def _vote_group(group: dist.ProcessGroup | None, vote_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def voting_group(group: dist.ProcessGroup | None, vote_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group that votes on the gradients reduced over ``group``: ``vote_group`` (checked to hold the same ranks in
     the same order), or ``group`` itself."""
     if vote_group is None or vote_group is group or group is None:
@@ -130,10 +131,10 @@ def sum_over_pipeline(
     which over ``vote_group`` (a gloo group over the same ranks where ``pp_group`` is NCCL; default ``pp_group``),
     then sum over ``pp_group``. No-op if ``pp_group`` is None or has size 1.
     """
-    if _group_size(pp_group) == 1:
+    if group_size(pp_group) == 1:
         return
     assert pp_group is not None
-    votes = _vote_group(pp_group, vote_group)
+    votes = voting_group(pp_group, vote_group)
     assert votes is not None
     pending = []
     for (dtype, device), group in _by_dtype_device(used_somewhere(_unique(params), votes)).items():
@@ -198,7 +199,7 @@ class BucketedAllReduce:
         # Not filtered by requires_grad: a parameter unfrozen after setup must still be averaged.
         self.params = _unique(params)
         self.dp_group, self.hierarchy = dp_group, hierarchy
-        self.vote_group = _vote_group(dp_group, vote_group)
+        self.vote_group = voting_group(dp_group, vote_group)
         self.bucket_bytes, self.tail_bytes = bucket_bytes, tail_bytes
         self._plan_keys: list[tuple[int, torch.dtype, torch.device]] = []
         self.buckets: list[list[nn.Parameter]] = []
@@ -219,7 +220,8 @@ class BucketedAllReduce:
             self.buckets += buckets
         self.buffers = [None] * len(self.buckets)
 
-    def _buffer(self, i: int) -> torch.Tensor:
+    def buffer(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s flat buffer, allocated at its first use and kept for the next steps."""
         buffer = self.buffers[i]
         if buffer is None:
             first = self.buckets[i][0]
@@ -234,7 +236,7 @@ class BucketedAllReduce:
         """Agree on the parameters taking part, pack every bucket and launch its all-reduce; ``wait()`` on the
         result finishes the mean. Other collectives may run in between (on other groups: the gradients of these
         parameters must not change meanwhile)."""
-        world = _group_size(self.dp_group)
+        world = group_size(self.dp_group)
         if world == 1:
             return PendingReduction(world, [])
         assert self.vote_group is not None
@@ -243,7 +245,7 @@ class BucketedAllReduce:
             self._plan(active)
         pending = []
         for i, bucket in enumerate(self.buckets):
-            buffer = self._buffer(i)
+            buffer = self.buffer(i)
             pending.append((bucket, buffer, launch_bucket(bucket, buffer, world, self.dp_group, self.hierarchy)))
         return PendingReduction(world, pending)
 
@@ -391,7 +393,7 @@ def _over_pipeline(local: torch.Tensor, op: Any, pp_group: dist.ProcessGroup | N
     In float64 on every stage: the stages need not agree on a dtype (one without float64 parameters, or none at all,
     joins a float64 pipeline), a float64 model's norm keeps its digits, and a float32 one is rounded once, after.
     """
-    if _group_size(pp_group) == 1:
+    if group_size(pp_group) == 1:
         return local
     total = local.to(torch.float64)
     dist.all_reduce(total, op=op, group=pp_group)

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_unflatten
 
 
 def _is_batched(leaf: Any) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.microbatch import detached, join, split_by_sizes, tensors
 from lightning_gpipe.pipe.records import OutputMode, Placeholder, Step

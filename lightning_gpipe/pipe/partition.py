@@ -14,9 +14,9 @@ from typing import Any, Literal, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
 from lightning_gpipe.pipe.microbatch import detached
 
 Balance = Union[Sequence[int], Literal["parameters", "time", "flops"], Callable[[int, nn.Module], float]]  # noqa: UP007

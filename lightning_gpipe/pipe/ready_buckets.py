@@ -12,10 +12,10 @@ from lightning_gpipe.pipe.grads import (
     SMALL_BUCKET_BYTES,
     BucketedAllReduce,
     PendingReduction,
-    _group_size,
-    _vote_group,
+    group_size,
     launch_bucket,
     used_somewhere,
+    voting_group,
 )
 from lightning_gpipe.pipe.hierarchy import Hierarchy
 
@@ -46,7 +46,7 @@ class ReadyBuckets:
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp_group, self.bucket_bytes, self.hierarchy = dp_group, bucket_bytes, hierarchy
-        self.vote_group = _vote_group(dp_group, vote_group)
+        self.vote_group = voting_group(dp_group, vote_group)
         self.tail_bytes = tail_bytes
         self._reduce: BucketedAllReduce | None = None
         self._planned: set[int] = set()
@@ -57,7 +57,7 @@ class ReadyBuckets:
 
     def arm(self) -> None:
         """Before the stage's last backward op (collective over the replicas)."""
-        if _group_size(self.dp_group) == 1:
+        if group_size(self.dp_group) == 1:
             return
         assert self.vote_group is not None
         active = used_somewhere(self.params, self.vote_group)
@@ -90,17 +90,17 @@ class ReadyBuckets:
     def _launch_ready(self, all_left: bool = False) -> None:
         reduce = self._reduce
         assert reduce is not None
-        world = _group_size(self.dp_group)
+        world = group_size(self.dp_group)
         while len(self._launched) < len(reduce.buckets):
             i = len(self._launched)
             if self._missing[i] > 0 and not all_left:
                 return
-            bucket, buffer = reduce.buckets[i], reduce._buffer(i)
+            bucket, buffer = reduce.buckets[i], reduce.buffer(i)
             self._launched.append((bucket, buffer, launch_bucket(bucket, buffer, world, self.dp_group, self.hierarchy)))
 
     def launch_rest(self) -> PendingReduction:
         """After the last backward op: the buckets not launched yet, then the late parameters' own reduction."""
-        world = _group_size(self.dp_group)
+        world = group_size(self.dp_group)
         if world == 1:
             return PendingReduction(world, [])
         for handle in self._handles:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.pipe.buffers import StatefulBuffers
 from lightning_gpipe.pipe.failures import FailureHandler

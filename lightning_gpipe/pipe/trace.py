@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_gpipe.pipe._torch_internals import profiler_enabled
+
 # Event kinds a stage records: its compute, its communication ("send" queues a message, "recv-wait" waits for one),
 # "step" spans one whole forward or backward phase, "status" is the check at its end that every stage finished it
 # (a small collective, so mostly waiting for the slowest stage).
@@ -92,7 +94,7 @@ def profiler_range(stage: int, kind: str, micro_batch: int = -1, label: str = ""
 
     Checked per event: a range costs about 10 µs even with no profiler, a check 0.2 µs.
     """
-    if not torch.autograd._profiler_enabled():
+    if not profiler_enabled():
         return contextlib.nullcontext()
     return torch.autograd.profiler.record_function(range_name(stage, kind, micro_batch, label))
 

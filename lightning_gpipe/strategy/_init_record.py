@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_gpipe.pipe._torch_internals import storage_key, tree_flatten, tree_map, version
 from lightning_gpipe.strategy._hf_init import HuggingFaceInit
 
 # Creations that leave the values undefined: a parameter made so and never written was initialized by something
@@ -70,7 +70,7 @@ class _Call:
 
 
 def _key(t: Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return storage_key(t)
 
 
 def _meta(t: Tensor) -> _Meta:
@@ -114,9 +114,9 @@ class InitRecord:
                 seen = {id(t): _meta(t) for t in metas}
             except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass): nothing to replay from
                 return func(*args, **kwargs)
-            versions = [t._version for t in metas]
+            versions = [version(t) for t in metas]
             out = func(*args, **kwargs)
-            written = {seen[id(t)].key for t, v in zip(metas, versions, strict=True) if t._version != v}
+            written = {seen[id(t)].key for t, v in zip(metas, versions, strict=True) if version(t) != v}
             if unit:
                 first = args[0] if args else kwargs.get("tensor")
                 if isinstance(first, Tensor) and first.is_meta:
@@ -141,7 +141,7 @@ class InitRecord:
 
         def spec(x: Any) -> Any:
             if isinstance(x, Tensor):
-                return seen[id(x)] if x.is_meta else _Real(x, x._version)
+                return seen[id(x)] if x.is_meta else _Real(x, version(x))
             return x
 
         self.calls.append(_Call(func, tree_map(spec, (args, kwargs)), torch.get_default_dtype(), outputs))
@@ -226,7 +226,7 @@ class InitRecord:
                 same = (x.size, x.stride, x.offset) == (tuple(base.shape), tuple(base.stride()), base.storage_offset())
                 return base if same else base.as_strided(x.size, x.stride, x.offset)
             if isinstance(x, _Real):
-                if x.tensor._version != x.version:
+                if version(x.tensor) != x.version:
                     raise Unreplayable(f"a tensor that {_name(call.func)} read was modified after configure_model()")
                 return x.tensor
             if isinstance(x, torch.Generator):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils._pytree import tree_map
+from lightning_gpipe.pipe._torch_internals import tree_map
 
 _LATE = (
     "GPipeStrategy: the backbone's output was used after this evaluation step ended, but self.pipeline_loss had "

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.strategy._lightning_internals import (
     local_compute,
     set_forward_cache,

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_warn
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
+from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
 from lightning_gpipe.strategy._lazy_output import LazyOutput, real_leaves

@@ -11,9 +11,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_gpipe.pipe import GPipeStage, PipelineError
+from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
 from lightning_gpipe.strategy._lightning_internals import broadcast_coalesced, forward_cache, logged_values
 
 _BUCKET = 16 * 2**20

@@ -1,0 +1,101 @@
+"""Every private torch API the package relies on, pinned: an upgrade that changes one fails here, in a second.
+
+Each test names the internal (see ``lightning_gpipe/pipe/_torch_internals.py``) and what the code needs of it.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import torch
+from torch import nn
+
+from lightning_gpipe.pipe import _torch_internals as internals
+
+
+def test_pytree_flattens_batches_as_the_micro_batches_need() -> None:
+    """Leaves in order through tuples, lists, dicts and namedtuples; the spec rebuilds the same types; paths name the
+    leaf as ``keystr`` writes them (the error messages quote them); None is a leaf."""
+    Pair = namedtuple("Pair", ["a", "b"])
+    batch = {"x": (torch.zeros(1), [torch.ones(1), 3]), "p": Pair(torch.full((1,), 2.0), None)}
+    leaves, spec = internals.tree_flatten(batch)
+    assert [float(t) if isinstance(t, torch.Tensor) else t for t in leaves] == [
+        0.0,
+        1.0,
+        3,
+        2.0,
+        None,
+    ]  # None is a leaf
+    rebuilt = internals.tree_unflatten(leaves, spec)
+    assert isinstance(rebuilt["p"], Pair) and isinstance(rebuilt["x"], tuple) and isinstance(rebuilt["x"][1], list)
+    doubled = internals.tree_map(lambda t: t * 2 if isinstance(t, torch.Tensor) else t, batch)
+    assert float(doubled["x"][1][0]) == 2.0 and doubled["x"][1][1] == 3
+    paths, _ = internals.tree_flatten_with_path(batch)
+    assert [internals.keystr(path) for path, _ in paths] == [
+        "['x'][0]",
+        "['x'][1][0]",
+        "['x'][1][1]",
+        "['p'].a",
+        "['p'].b",
+    ]
+
+
+def test_batchnorm_base_covers_every_batchnorm() -> None:
+    for layer in (nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2), nn.SyncBatchNorm(2), nn.LazyBatchNorm2d()):
+        assert isinstance(layer, internals.BatchNormBase), type(layer)
+    assert not isinstance(nn.LayerNorm(2), internals.BatchNormBase)
+    assert not isinstance(nn.InstanceNorm2d(2), internals.BatchNormBase)
+
+
+def test_profiler_enabled_only_while_the_profiler_records() -> None:
+    assert internals.profiler_enabled() is False
+    with torch.autograd.profiler.profile():
+        assert internals.profiler_enabled() is True
+    assert internals.profiler_enabled() is False
+
+
+def test_version_counts_in_place_writes_and_inference_tensors_have_none() -> None:
+    t = torch.zeros(3)
+    before = internals.version(t)
+    t.add_(1)
+    t[0] = 5
+    assert internals.version(t) == before + 2
+    assert internals.version(t.view(3)) == internals.version(t)  # a view shares its base's counter
+    with torch.inference_mode():
+        frozen = torch.zeros(1)
+    try:
+        internals.version(frozen)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("an inference tensor's version no longer raises: buffers.py and batchnorm.py expect it")
+
+
+def test_storage_key_is_shared_by_views_and_works_on_meta() -> None:
+    for device in ("cpu", "meta"):
+        a, b = torch.empty(4, device=device), torch.empty(4, device=device)
+        assert internals.storage_key(a) == internals.storage_key(a[1:]) == internals.storage_key(a.view(2, 2))
+        assert internals.storage_key(a) != internals.storage_key(b)
+
+
+def test_always_called_hooks_are_recorded_by_key() -> None:
+    layer = nn.Linear(2, 2)
+    handle = layer.register_forward_hook(lambda *_: None, always_call=True)
+    assert handle.id in internals.forward_hooks_always_called(layer) and handle.id in layer._forward_hooks
+    handle.remove()
+    assert handle.id not in internals.forward_hooks_always_called(layer)
+
+
+def test_module_slots_are_the_dicts_module_methods_use() -> None:
+    """Not routed through the module, used directly: ``_modules``, ``_parameters``, ``_buffers`` and the hook dicts."""
+    net = nn.Sequential(nn.BatchNorm1d(2))
+    bn = net[0]
+    assert list(net._modules) == ["0"] and net._modules["0"] is bn
+    assert set(bn._parameters) == {"weight", "bias"} and bn._parameters["weight"] is bn.weight
+    assert bn._buffers["running_mean"] is bn.running_mean
+    replacement = torch.ones(2)
+    bn._buffers["running_mean"] = replacement  # what a swap without __setattr__'s checks relies on
+    assert bn.running_mean is replacement and bn.state_dict(keep_vars=True)["running_mean"] is replacement
+    pre = bn.register_forward_pre_hook(lambda *_: None)
+    post = bn.register_forward_hook(lambda *_: None)
+    assert pre.id in bn._forward_pre_hooks and post.id in bn._forward_hooks
