@@ -1,17 +1,17 @@
-"""The setup audit: every reference to the backbone, every weight it shares, each finding handled and logged."""
+"""The audits: at setup, the backbone's references and shared weights; in training, its input's split and the loss."""
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_gpipe.strategy._split_dim import check_split_dim
+from lightning_gpipe.pipe.microbatch import batch_size, tensors
 
 # Under Lightning's logger, so the findings print where its own setup messages do (it sets INFO and a handler).
 logger = logging.getLogger("lightning.pytorch.strategies.gpipe")
@@ -191,3 +191,110 @@ def _warn_stateful(stage: Any, path: str) -> None:
         "knowingly (lightning_gpipe.pipe.is_recomputing() tells a layer it is being recomputed)",
         stacklevel=3,
     )
+
+
+# Is the backbone's input split along the samples? Its first training call compared with the loader's batch.
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _elsewhere(input: Any, batch: Any, split: int, batch_dim: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """(dim, input tensor, loader tensor): a loader tensor disagrees with the split size, the backbone's input holds
+    that tensor's dim-0 size along another dimension, and a loader tensor holds both sizes: the samples are there,
+    not along ``batch_dim``."""
+    loaded = [t for t in tensors(batch) if t.dim() > 0]
+    # A loader tensor agrees when it holds the split size along dim 0 (batch-first) or batch_dim (as the input).
+    # One that does not is either per-sample along dim 0 (labels (N,) beside time-major tokens (T, N)), or a
+    # per-batch constant (a vocabulary mask (V,)); the input and the loader both showing the two sizes side by side
+    # (time-major tokens (T, N) and hidden states (T, N, D)) separate the two, where a size that merely equals a
+    # width (rows of flattened tokens (N·T, D) with D = N) does not.
+    disagree = [t for t in loaded if t.shape[0] != split and not (t.dim() > batch_dim and t.shape[batch_dim] == split)]
+    for x in tensors(input):
+        for j, size in enumerate(x.shape):
+            if j == batch_dim:
+                continue
+            for t in disagree:
+                if t.shape[0] == size and any(split in u.shape and size in u.shape for u in loaded):
+                    return j, x, t
+    return None
+
+
+def check_split_dim(input: Any, batch: Any, batch_dim: int, path: str) -> str | None:
+    """Raise ValueError where splitting ``input`` (the backbone's, at its first training call) along ``batch_dim``
+    cuts across another dimension than the loader's ``batch`` has its samples in; return a warning where the split
+    size is no size of the batch and nothing tells where its samples went (rows of flattened tokens: maybe meant).
+    """
+    if not any(t.dim() > 0 for t in tensors(input)):
+        return None  # a later stage's input is not used; stage 0's engine names an input without tensors
+    try:
+        split = batch_size(input, batch_dim)
+    except ValueError as e:  # a backbone input of disagreeing tensors: every rank stops here, before the pipeline
+        raise ValueError(f"GPipeStrategy: self.{path}'s input cannot be split into micro-batches: {e}") from None
+    found = _elsewhere(input, batch, split, batch_dim)
+    if found is not None:
+        j, x, t = found
+        raise ValueError(
+            f"GPipeStrategy: self.{path}'s input, of shape {_shape(x)}, is split into micro-batches along dim "
+            f"{batch_dim} (batch_dim={batch_dim}), of size {split}, but the loader's batch holds {t.shape[0]} samples "
+            f"(a tensor of shape {_shape(t)}), which the input holds along dim {j}: split along dim {batch_dim}, "
+            f"each micro-batch would mix every sample and train another model than one device does. Set "
+            f"GPipeStrategy(batch_dim={j}) if dim {j} holds the samples in the backbone (time-major (T, N, ...) "
+            "layers and data, such as pad_sequence's default), or give the backbone batch-first input "
+            "(pad_sequence(..., batch_first=True)). A tensor that is the same for every sample (a mask over the "
+            "vocabulary) belongs in the module (a buffer), not in the batch"
+        )
+    sizes = sorted({t.shape[0] for t in tensors(batch) if t.dim() > 0})
+    if not sizes or split in sizes:
+        return None
+    return (
+        f"GPipeStrategy: self.{path}'s input was split into micro-batches along dim {batch_dim}, of size {split}, "
+        f"but the loader's batch holds {sizes} samples (dim 0 of its tensors). If the rows along dim {batch_dim} "
+        "are independent (tokens flattened into rows), this is the same run; if another dimension holds the samples, "
+        "set GPipeStrategy(batch_dim=...) to it, or each micro-batch mixes samples and trains another model."
+    )
+
+
+# The loss may reach the backbone's layers only through the backbone's output: each rank holds only its stage.
+
+
+def direct_uses(loss: Tensor, stage: nn.Module, replicated: Iterable[nn.Parameter]) -> list[str]:
+    """This stage's parameters that ``loss`` uses other than through the backbone's output (an L2 penalty over
+    ``self.parameters()``, ``F.linear(h, self.backbone[0].weight)``), by their names in the stage.
+
+    The walk ends at the backbone's output: the stage hands the step a tensor without history on every rank, so
+    whatever the graph reaches below the loss was used by the step itself. Weights the stage shares with a module
+    outside the backbone (``replicated``) are meant to be used there and are summed over the stages already.
+    """
+    own = {id(p): name for name, p in stage.named_parameters()}
+    for p in replicated:
+        own.pop(id(p), None)
+    found: list[str] = []
+    seen: set[object] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf the graph ends in
+        if variable is not None and id(variable) in own:
+            found.append(own[id(variable)])
+        todo.extend(child for child, _ in node.next_functions)
+    return sorted(found)
+
+
+def check_loss(loss: Tensor, stage: nn.Module, replicated: Iterable[nn.Parameter], path: str, index: int) -> None:
+    """Raise, naming the parameters and the fix, if ``loss`` uses this stage's layers directly."""
+    used = direct_uses(loss, stage, replicated)
+    if used:
+        shown = ", ".join(f"{path}.{name}" for name in used[:5]) + (
+            f" and {len(used) - 5} more" if len(used) > 5 else ""
+        )
+        raise RuntimeError(
+            f"GPipeStrategy: the training step's loss uses parameters of self.{path} directly ({shown} on stage "
+            f"{index}), not only through the backbone's output, e.g. a penalty over self.parameters(). Each rank "
+            "holds only its stage's layers, so such a term would cover one stage and differ from the plain run. "
+            "Use the optimizer's weight_decay instead, or leave the backbone's parameters out of the term."
+        )

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_gpipe.strategy import _optimizer_format as optimizer_format
-from lightning_gpipe.strategy._checkpoint_errors import agreed
-from lightning_gpipe.strategy._state_owners import Owners
+from lightning_gpipe.strategy._weight_copies import Owners
 
 METADATA = "meta.pt"  # the same name Lightning's own sharded checkpoints use
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -67,7 +67,7 @@ def save(
 ) -> None:
     """A folder (``sharded``) or one file; either raises the same error on every rank when any rank fails, so none
     is left waiting at a collective. ``order``: the plain module's parameter names in order, if known. Every key of
-    the module's state is written by its owner (``_state_owners``: this rank's ``stage`` of ``K``)."""
+    the module's state is written by its owner (``_weight_copies.Owners``: this rank's ``stage`` of ``K``)."""
     states = model_states(checkpoint, model)
     owners = Owners(model, stage, K, {k for state in states.values() for k in state})
     mine = {name: owners.owned(state) for name, state in states.items()}
@@ -308,3 +308,46 @@ def _gather(obj: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+# Checkpoint steps that fail alike on every rank: one rank's error must not leave the others at a collective.
+
+T = TypeVar("T")
+
+
+def agreed(action: Callable[[], T], message: Callable[[str], str]) -> T:
+    """``action()`` on this rank, then one collective: if it raised on any rank, every rank raises RuntimeError.
+
+    The message is ``message(causes)``, where ``causes`` names each rank that failed and its error. Ranks that did
+    not fail raise too, so none goes on to a collective the failed rank never reaches (gloo would report a closed
+    connection there, NCCL would wait for its timeout).
+    """
+    result: Any = None
+    error: Exception | None = None
+    try:
+        result = action()
+    except Exception as e:
+        error = e
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if dist.is_available() and dist.is_initialized():
+        causes: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(causes, mine)
+    else:
+        causes = [mine]
+    failed = [(rank, cause) for rank, cause in enumerate(causes) if cause is not None]
+    if failed:
+        raise RuntimeError(message(_describe(failed, len(causes)))) from error
+    return result
+
+
+def _describe(failed: list[tuple[int, str]], world_size: int) -> str:
+    texts = {cause for _, cause in failed}
+    if len(failed) == world_size and len(texts) == 1:
+        return f"every rank: {texts.pop()}"
+    by_text: dict[str, list[int]] = {}
+    for rank, cause in failed:
+        by_text.setdefault(cause, []).append(rank)
+    return "; ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {text}"
+        for text, ranks in by_text.items()
+    )

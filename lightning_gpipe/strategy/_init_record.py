@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_gpipe.pipe._torch_internals import storage_key, tree_flatten, tree_map, version
-from lightning_gpipe.strategy._hf_init import HuggingFaceInit
 
 # Creations that leave the values undefined: a parameter made so and never written was initialized by something
 # the recorder did not see (an initializer that skips meta tensors), or by nothing.
@@ -279,7 +279,7 @@ def record_init(known: Iterable[Tensor] = ()) -> Iterator[InitRecord]:
     and trunc_normal_ return at once on a meta tensor, below any mode's sight, so every public torch.nn.init
     initializer is wrapped here to be recorded as one call (found by attribute: ``nn.init.orthogonal_(w)``, not a
     name imported from torch.nn.init before). A transformers model initializes as on a real device (see
-    ``_hf_init``)."""
+    ``HuggingFaceInit``)."""
     record = InitRecord(known)
     init = torch.nn.init
     originals = {n: f for n, f in vars(init).items() if n.endswith("_") and not n.startswith("_") and callable(f)}
@@ -296,3 +296,70 @@ def record_init(known: Iterable[Tensor] = ()) -> Iterator[InitRecord]:
         huggingface.restore()
         for n, f in originals.items():
             setattr(init, n, f)
+
+
+# HuggingFace models built in configure_model(): transformers' own weight initialization, recorded like any other.
+
+
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class HuggingFaceInit:
+    """While ``configure_model()`` is recorded, a transformers model initializes its weights as on a real device.
+
+    transformers 5 skips a ``PreTrainedModel``'s weight initialization (``post_init()`` → ``init_weights()``) when
+    its probe finds the meta device, leaving each layer's torch default: a GPT-2 with embeddings of std 1, not 0.02,
+    and unscaled residual projections, silently another model. Here ``init_weights`` sees no meta device, so it runs
+    at its usual point of construction (a change configure_model() makes afterwards still wins) by transformers' own
+    rules (``_init_weights``, ``_is_hf_initialized``, tied weights), and the recorder notes its calls for the replay
+    on each stage. transformers calls the torch.nn.init functions it saved at import, not the recorder's wrappers
+    (some of them return at once on a meta tensor, unseen): those are wrapped too. (transformers 4 initialized on
+    meta tensors, through their methods, which the recorder sees: there is nothing to patch.)
+
+    transformers may be imported inside ``configure_model()``: :meth:`poll`, called on every recorded torch call
+    while :attr:`pending`, patches once its ``PreTrainedModel`` exists, before any model of it is built.
+    """
+
+    def __init__(self, wrap: Wrap, wrapped: dict[int, Callable[..., Any]]) -> None:
+        self._wrap = wrap
+        # torch.nn.init's functions by the id of the recorder's wrapper on them: transformers imported inside
+        # configure_model() saved the wrappers, which must not outlive the recording.
+        self._wrapped = wrapped
+        self._undo: list[tuple[Any, str, Any]] = []  # (dict or class, key, original), in patching order
+        self.pending = True
+
+    def poll(self) -> None:
+        utils: Any = sys.modules.get("transformers.modeling_utils")
+        model = getattr(utils, "PreTrainedModel", None)
+        if model is None:  # not imported, or still being imported
+            return
+        self.pending = False
+        saved: Any = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None)
+        if isinstance(saved, dict):
+            functions: dict[str, Callable[..., Any]] = saved
+            for name, function in list(functions.items()):
+                genuine = self._wrapped.get(id(function), function)
+                self._undo.append((saved, name, genuine))
+                saved[name] = self._wrap(genuine)
+        probe = getattr(utils, "get_torch_context_manager_or_global_device", None)
+        if probe is None or "init_weights" not in vars(model):
+            return
+        original = vars(model)["init_weights"]
+
+        def init_weights(pretrained: Any, *args: Any, **kwargs: Any) -> Any:
+            utils.get_torch_context_manager_or_global_device = lambda: None  # "no device context": initialize
+            try:
+                return original(pretrained, *args, **kwargs)
+            finally:
+                utils.get_torch_context_manager_or_global_device = probe
+
+        self._undo.append((model, "init_weights", original))
+        model.init_weights = init_weights
+
+    def restore(self) -> None:
+        for owner, key, original in reversed(self._undo):
+            if isinstance(owner, dict):
+                owner[key] = original
+            else:
+                setattr(owner, key, original)
+        self._undo.clear()

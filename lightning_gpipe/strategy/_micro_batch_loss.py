@@ -34,10 +34,16 @@ from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
-from lightning_gpipe.strategy._lazy_output import LazyOutput, real_leaves
-from lightning_gpipe.strategy._micro_batch_logs import LogRecorder, absorb, host_floats, replay, step_only_metrics
+from lightning_gpipe.strategy._micro_batch_logs import (
+    LogRecorder,
+    absorb,
+    check_split_invariance,
+    host_floats,
+    replay,
+    step_only_metrics,
+)
 from lightning_gpipe.strategy._rank_pipeline import EarlyReduction
-from lightning_gpipe.strategy._split_check import check_split_invariance
+from lightning_gpipe.strategy._step_results import LazyOutput, real_leaves
 
 HOOK, DENOMINATOR = "pipeline_loss", "pipeline_loss_denominator"
 OLD_DENOMINATOR = "pipeline_loss_count"  # its name before 0.1.0; read, with a deprecation warning, until 0.2

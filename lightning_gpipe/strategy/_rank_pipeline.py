@@ -17,19 +17,16 @@ from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
 from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import check_backbone_layers
-from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit
+from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit, check_loss
 from lightning_gpipe.strategy._averaged import WeightAverages
 from lightning_gpipe.strategy._balance import StrategyBalance, plan_balance, shown_costs
-from lightning_gpipe.strategy._loss_audit import check_loss
 from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
 from lightning_gpipe.strategy._mesh import PipelineMesh
-from lightning_gpipe.strategy._metric_groups import sync_metrics_over
+from lightning_gpipe.strategy._micro_batch_logs import sync_metrics_over
 from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel
-from lightning_gpipe.strategy._precision import fit_to_pipeline
-from lightning_gpipe.strategy._state_owners import HeldBuffers
 from lightning_gpipe.strategy._step_results import abort_on_error
 from lightning_gpipe.strategy._trace import StepTracer
-from lightning_gpipe.strategy._weight_copies import WeightCopies
+from lightning_gpipe.strategy._weight_copies import HeldBuffers, WeightCopies, fit_to_pipeline
 
 
 @dataclass(frozen=True)

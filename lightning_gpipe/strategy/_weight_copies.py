@@ -1,18 +1,22 @@
-"""Parameters with copies on other ranks (replicas, replicated head/embedding, tied weights) and keeping them equal."""
+"""Weights with copies on other ranks (replicas, replicated layers, ties): kept equal, owned once, through precision."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.grads import sum_over_pipeline
+from lightning_gpipe.pipe.grads import clip_grad_norm_, sum_over_pipeline
 from lightning_gpipe.strategy._audit import outside_modules
-from lightning_gpipe.strategy._lightning_internals import broadcast_coalesced
+from lightning_gpipe.strategy._lightning_internals import broadcast_coalesced, route_norm_clipping
 
 _BROADCAST_BUCKET = 250 * 2**20  # DDP's default for its initial broadcast
 
@@ -118,3 +122,158 @@ def _broadcast(tensors: list[torch.Tensor], group: Any) -> None:
         return
     # Group rank 0 is the source: replica 0, stage 0, or the first stage of a tied set.
     broadcast_coalesced(group, tensors, _BROADCAST_BUCKET, 0)
+
+
+# Which rank owns each parameter and buffer: the value every holder of it keeps, and every checkpoint saves.
+#
+# The rule. A tensor is owned by the stage that runs it: a backbone layer's tensors by that layer's stage, under every
+# name that holds the layer (``model.layer1`` as well as ``backbone.4``); any other tensor (a module outside the
+# backbone) by the last stage, the one that sees the backbone's true output (with the loss inside the pipeline the
+# head runs there only). Of the data-parallel replicas, replica 0 owns (as a DDP run's rank 0 writes its checkpoint).
+# Each key of a saved checkpoint takes its owner's value. Parameters are equal on every holder anyway (gradients
+# summed over the stages that hold them); buffers are not, so the buffers of backbone layers that a module outside
+# the backbone holds too are copied from their stage to the other stages after every training step.
+
+
+_BUCKET = 25 * 2**20
+
+
+def run_keys(model: nn.Module, stage: nn.Module) -> set[str]:
+    """The keys of ``model.state_dict()`` whose tensor this rank's stage runs (an alias's names included)."""
+    ids = {id(t) for t in chain(stage.parameters(), stage.buffers())}
+    return {k for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor) and id(v) in ids}
+
+
+class Owners:
+    """Every key's owner, from each rank's (keys held, keys its stage runs); ``K`` stages, rank = d·K + k.
+
+    A key the stages run is owned by the first stage that runs it; any other by the last stage; a key the last stage
+    lacks (a layer's extra state) by the first stage that holds it. Collective: every rank builds it.
+    """
+
+    def __init__(self, model: nn.Module, stage: nn.Module, K: int, keys: set[str]) -> None:
+        self.K = K
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        mine = (sorted(keys), sorted(run_keys(model, stage) & keys))
+        parts: list[Any] = [mine]
+        if dist.is_initialized():
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+        held, run = [set(p[0]) for p in parts[:K]], [p[1] for p in parts[:K]]
+        self.owner: dict[str, int] = {}
+        for k in range(K):
+            for key in run[k]:
+                self.owner.setdefault(key, k)
+        for key in held[K - 1]:
+            self.owner.setdefault(key, K - 1)
+        for k in range(K):
+            for key in held[k]:
+                self.owner.setdefault(key, k)
+
+    def owned(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of this rank's ``state`` (a model state dict) that this rank saves."""
+        return {k: v for k, v in state.items() if self.owner.get(k) == self.rank}
+
+
+class HeldBuffers:
+    """The buffers of backbone layers that modules outside the backbone hold too (``self.model = resnet18();
+    self.backbone = nn.Sequential(*list(self.model.children())[:-1])``): every stage holds them, one stage runs
+    them. :meth:`sync` copies each from the stage that runs it to the others. Collective to build (every stage of a
+    pipeline walks the same modules outside its stage, in the same order)."""
+
+    def __init__(self, module: nn.Module, stage: nn.Module, pp_group: Any, header_group: Any) -> None:
+        self.pp_group = pp_group
+        # By holder and name, looked up at each sync: a buffer may be replaced (SWA resets BatchNorm statistics so).
+        seen: dict[int, tuple[nn.Module, str]] = {}
+        for _, m in outside_modules(module, stage):
+            for name, b in m._buffers.items():
+                if b is not None:
+                    seen.setdefault(id(b), (m, name))
+        held = list(seen.values())
+        ids = {id(t) for t in stage.buffers()}
+        mine = [id(m._buffers[name]) in ids for m, name in held]
+        runs: list[Any] = [mine]
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            runs = [None] * dist.get_world_size(pp_group)
+            dist.all_gather_object(runs, mine, group=header_group)
+        by_stage: dict[int, list[tuple[nn.Module, str]]] = {}
+        for i, place in enumerate(held):
+            src = next((k for k, flags in enumerate(runs) if flags[i]), None)
+            if src is not None:  # a buffer outside the backbone only is the same on every stage, or unused
+                by_stage.setdefault(src, []).append(place)
+        self.by_stage = sorted(by_stage.items())
+
+    def __bool__(self) -> bool:
+        return bool(self.by_stage) and self.pp_group is not None and dist.get_world_size(self.pp_group) > 1
+
+    def sync(self) -> None:
+        """Every holder of such a buffer takes its stage's value (a collective of the pipeline's stages)."""
+        if not self:
+            return
+        for src, places in self.by_stage:
+            tensors = [m._buffers[name] for m, name in places]
+            broadcast_coalesced(self.pp_group, [t.detach() for t in tensors if t is not None], _BUCKET, src)
+
+
+# The precision plugin under a pipeline: ties kept through its conversion, one loss-scaling decision for every
+# stage, clipping by the whole norm.
+
+
+@contextmanager
+def keeping_ties(module: nn.Module | None) -> Iterator[None]:
+    """A tensor that several of ``module``'s submodules hold (a tied weight; a layer's buffers also held by its
+    DeferredBatchNorm stand-in, or by another module object) is again one tensor, held by all of them, after the body
+    converts the module (``precision_plugin.convert_module``, ``.to(device)``).
+
+    ``Module._apply`` gives each module its own converted buffer (and, with
+    ``torch.__future__.set_overwrite_module_params_on_conversion``, its own parameter): two holders of one tensor would
+    then train apart, the first one's running statistics moving while the other's stay behind.
+    """
+    holders: dict[int, list[tuple[dict, str]]] = {}
+    for m in module.modules() if module is not None else ():
+        for slots in (m._parameters, m._buffers):
+            for key, t in slots.items():
+                if t is not None:
+                    holders.setdefault(id(t), []).append((slots, key))
+    shared = [h for h in holders.values() if len(h) > 1]
+    yield
+    for (first, key), *rest in shared:
+        for slots, other in rest:
+            slots[other] = first[key]
+
+
+def agree_on_loss_scaling(plugin: Precision, device: torch.device) -> None:
+    """16-mixed: a stage that finds an inf must make every stage skip the step, not only itself."""
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None or isinstance(scaler, ShardedGradScaler):
+        return
+    # ShardedGradScaler all-reduces found_inf over the world group (pipeline stages and replicas alike).
+    sharded = ShardedGradScaler(
+        device=device.type,
+        init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
+        backoff_factor=scaler.get_backoff_factor(),
+        growth_factor=scaler.get_growth_factor(),
+        growth_interval=scaler.get_growth_interval(),
+        enabled=scaler.is_enabled(),
+    )
+    # Any plugin that keeps a GradScaler there (MixedPrecision, or a user's own), as the getattr above reads it.
+    setattr(plugin, "scaler", sharded)  # noqa: B010
+
+
+def fit_to_pipeline(plugin: Precision, copies: WeightCopies, pp_group: dist.ProcessGroup, device: torch.device) -> None:
+    """What ``plugin`` needs to see the pipeline as one model: its loss scaling and its norm clipping."""
+    # Lightning clips with a local norm; a pipeline needs the norm of the whole model across stages.
+    route_norm_clipping(plugin, pipeline_norm_clipping(plugin, copies, pp_group))
+    agree_on_loss_scaling(plugin, device)
+
+
+def pipeline_norm_clipping(
+    plugin: Precision, copies: WeightCopies, pp_group: dist.ProcessGroup
+) -> Callable[[torch.optim.Optimizer, int | float], None]:
+    """Clipping by the norm of the whole model's gradient: every stage's share, each weight with copies once."""
+
+    def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        counted, copied = copies.split_for_norm(list(plugin.main_params(optimizer)))
+        clip_grad_norm_(counted, copied, clip_val, 2.0, pp_group, count_replicated=False)
+
+    return clip_grad_by_norm

@@ -48,11 +48,10 @@ from lightning_gpipe.strategy._mesh import (
 )
 from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
 from lightning_gpipe.strategy._partition_report import show as show_partition
-from lightning_gpipe.strategy._precision import keeping_ties
-from lightning_gpipe.strategy._predict import mute_prediction_output, unmute
 from lightning_gpipe.strategy._rank_pipeline import RankPipeline, StageOptions
-from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage
+from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage, mute_prediction_output, unmute
 from lightning_gpipe.strategy._trace import Closure, StepTracer, check_trace_args
+from lightning_gpipe.strategy._weight_copies import keeping_ties
 
 _Model = pl.LightningModule | nn.Module | None
 

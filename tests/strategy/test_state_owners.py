@@ -1,7 +1,7 @@
 """Which rank owns each tensor: layers also held outside the backbone (torchvision's children idiom), weight averages
 (AveragedModel, timm's ModelEmaV3, Lightning's WeightAveraging and StochasticWeightAveraging), and what every
 checkpoint holds: each holder's values and each saved key equal a plain ``Trainer(devices=1)`` run's (K = 2), and
-at pp = 2 × dp = 2 each saved key is its owner's (``lightning_gpipe/strategy/_state_owners.py``)."""
+at pp = 2 × dp = 2 each saved key is its owner's (``lightning_gpipe/strategy/_weight_copies.py``)."""
 
 from __future__ import annotations
 

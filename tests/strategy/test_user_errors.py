@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_gpipe.pipe.indexing import RemoteLayer
 from lightning_gpipe.pipe.microbatch import split_by_sizes
 from lightning_gpipe.strategy._arguments import check_backbone_layers, find_backbone
+from lightning_gpipe.strategy._audit import check_split_dim
 from lightning_gpipe.strategy._balance import Plan
 from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel
-from lightning_gpipe.strategy._split_dim import check_split_dim
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.tiny_fit import BATCH, dataset, lightning_module
 
