@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,32 @@ from lightning_gpipe.pipe.forward_backward import SCHEDULES
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
 from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 from lightning_gpipe.strategy._balance import BALANCE_NAMES
-from lightning_gpipe.strategy._batch_check import CHECK_BATCHES
+from lightning_gpipe.strategy._batches import CHECK_BATCHES, DATA_LOADINGS
+from lightning_gpipe.strategy._mesh import DP_REDUCTIONS
+
+
+def check_arguments(init: Callable[..., None], given: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of GPipeStrategy (``given``: ``__init__``'s locals), at construction. Returns the values to
+    keep where they differ from those given: the new names' where an old name was used, the trace steps as a tuple."""
+    renamed = take_renamed(init, given)
+    a = {**given, **renamed}
+    check_strategy_args(
+        a["chunks"],
+        a["pipeline_parallel_size"],
+        a["activation_checkpointing"],
+        a["output"],
+        a["batch_dim"],
+        a["check_batches"],
+        a["balance"],
+    )
+    check_loss_path(a["pipeline_loss"], a["schedule"])
+    if a["data_parallel_reduction"] not in DP_REDUCTIONS:
+        raise ValueError(
+            f"GPipeStrategy(data_parallel_reduction={a['data_parallel_reduction']!r}): choose one of "
+            f"{list(DP_REDUCTIONS)}"
+        )
+    check_data_loading(a["data_loading"])
+    return {**renamed, "trace_steps": check_trace_args(a["trace_dir"], a["trace_steps"])}
 
 
 def check_strategy_args(
@@ -92,6 +117,33 @@ def check_loss_path(pipeline_loss: Any, schedule: Any) -> None:
         )
     if schedule not in SCHEDULES:
         raise ValueError(f"GPipeStrategy(schedule={schedule!r}): choose one of {list(SCHEDULES)}")
+
+
+def check_data_loading(data_loading: Any) -> None:
+    if data_loading not in DATA_LOADINGS:
+        raise ValueError(
+            f"GPipeStrategy(data_loading={data_loading!r}): choose 'every_stage' (each stage iterates its own loader) "
+            "or 'first_stage' (stage 0 loads each batch and sends it to the other stages of its pipeline)"
+        )
+
+
+def check_trace_args(trace_dir: str | None, trace_steps: int | Sequence[int]) -> tuple[int, ...]:
+    """The steps to trace, as a tuple, or a clear error before any work is done."""
+    steps = (trace_steps,) if isinstance(trace_steps, int) else tuple(trace_steps)
+    if not steps or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps):
+        raise ValueError(
+            f"GPipeStrategy(trace_steps={trace_steps!r}): give one or more optimizer-step indices ≥ 0 "
+            "(trainer.global_step when the step starts), e.g. trace_steps=[5, 100]"
+        )
+    if trace_dir is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "GPipeStrategy(trace_dir=...) draws each traced step as a PNG with matplotlib, which is not "
+                "installed: pip install 'lightning-gpipe[timeline]' (or matplotlib), or leave trace_dir unset"
+            ) from e
+    return steps
 
 
 def check_world_size(K: int, world_size: int, num_nodes: int, num_processes: int) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from abc import abstractmethod
+import atexit
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -11,17 +12,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from typing_extensions import override
 
 from lightning_gpipe.pipe.hierarchy import Hierarchy, build_hierarchies
 from lightning_gpipe.pipe.transport import runs_in_order
-from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._audit import logger
-from lightning_gpipe.strategy._clean_exit import destroy_at_exit
 from lightning_gpipe.strategy._lightning_internals import init_dist_connection
 
 T = TypeVar("T")
@@ -161,40 +156,38 @@ def world_broadcast(obj: T, src: int) -> T:
     return box[0]
 
 
-class MeshCollectives(ParallelStrategy):
-    """Lightning's collectives for a pipeline: ``sync_dist`` and ``all_gather`` over the replicas (as DDP over them),
-    votes, barriers and broadcasts over the world."""
+# Destroys the process groups when a process that trained cleanly exits, while Python can still free their tensors.
 
-    @property
-    @abstractmethod
-    def _mesh(self) -> PipelineMesh: ...
 
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        # Values are identical on the stages of a pipeline; sync_dist reduces over the data-parallel replicas.
-        if isinstance(tensor, Tensor):
-            return internals.sync_ddp_if_available(tensor, self._replicas(group), reduce_op=reduce_op)
-        return tensor
+# Without this, gloo's worker threads can still hold finished work (and its tensors) when the interpreter is torn
+# down; freeing them then aborts the process ("terminate called without an active exception", exit code -6) after a
+# run that succeeded. torch leaves the call to the application (pytorch/pytorch#190489); a Lightning user's script
+# never makes it, so the strategy does. After a failure the groups are left alone: a peer may never answer, and
+# destroying a group waits for its pending work.
+#
+# Destroying does not join gloo's worker threads while something still references a group, and such a thread drops
+# its reference to the last collective's work only after waking the caller. Should that release come after the
+# interpreter began finalizing, taking the GIL ends the thread by a forced unwind and the process aborts all the same
+# (seen in benchmark workers: gdb showed ProcessGroupGloo::AsyncWork's destructor in that thread). The pause lets the
+# threads get there first; under load they can be off the CPU for a few milliseconds.
+_SETTLE_S = 0.05
+_state = {"registered": False, "failed": False}
 
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        # As DDP over the replicas: one entry per replica (the stages of a pipeline hold the same values).
-        return internals.all_gather_ddp_if_available(tensor, group=self._replicas(group), sync_grads=sync_grads)
 
-    def _replicas(self, group: Any | None) -> Any:
-        """The group a DDP run over the replicas would use for ``group``: its world is the replicas of this stage
-        (``LightningModule.all_gather`` passes ``WORLD`` itself); any other group as given."""
-        return self._mesh.dp_group if group is None or group is dist.group.WORLD else group
+def destroy_at_exit() -> None:
+    """Arrange (once per process) for the process groups to be destroyed at a clean exit."""
+    _state["failed"] = False
+    if not _state["registered"]:
+        atexit.register(_destroy)
+        _state["registered"] = True
 
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # Not ParallelStrategy's vote over the replicas only: ModelCheckpoint and EarlyStopping need every rank's.
-        return world_vote(decision, all, self.root_device, self.world_size)
 
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        world_barrier(self.root_device)
+def keep_at_exit() -> None:
+    """A run failed: leave the process groups to the operating system."""
+    _state["failed"] = True
 
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return world_broadcast(obj, src)
+
+def _destroy() -> None:
+    if not _state["failed"] and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        time.sleep(_SETTLE_S)

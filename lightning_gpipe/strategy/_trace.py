@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +18,6 @@ from lightning_gpipe.strategy._mesh import PipelineMesh
 
 Closure = Callable[[], Any]
 OptimizerStep = Callable[[Closure], Any]  # the strategy's own optimizer_step, given the closure
-
-
-def check_trace_args(trace_dir: str | None, trace_steps: int | Sequence[int]) -> tuple[int, ...]:
-    """The steps to trace, as a tuple, or a clear error before any work is done."""
-    steps = (trace_steps,) if isinstance(trace_steps, int) else tuple(trace_steps)
-    if not steps or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps):
-        raise ValueError(
-            f"GPipeStrategy(trace_steps={trace_steps!r}): give one or more optimizer-step indices ≥ 0 "
-            "(trainer.global_step when the step starts), e.g. trace_steps=[5, 100]"
-        )
-    if trace_dir is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as e:
-            raise ImportError(
-                "GPipeStrategy(trace_dir=...) draws each traced step as a PNG with matplotlib, which is not "
-                "installed: pip install 'lightning-gpipe[timeline]' (or matplotlib), or leave trace_dir unset"
-            ) from e
-    return steps
 
 
 class StepTracer:

@@ -1,4 +1,4 @@
-"""GPipeStrategy: Lightning glue around the engine — mesh, launcher, setup, backward phase, reductions, clipping."""
+"""GPipeStrategy: the Lightning strategy around the engine — mesh, setup, steps, backward, collectives, checkpoints."""
 
 from __future__ import annotations
 
@@ -6,13 +6,17 @@ from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
@@ -23,40 +27,38 @@ from typing_extensions import override
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.batch_feed import BatchFeed
 from lightning_gpipe.pipe.schedule import Checkpoint
+from lightning_gpipe.strategy import _checkpoint_files as checkpointing
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
-    check_loss_path,
-    check_strategy_args,
+    check_arguments,
     check_world_size,
     find_backbone,
     reject_closure_replaying_optimizers,
     reject_unsupported,
-    take_renamed,
 )
 from lightning_gpipe.strategy._balance import StrategyBalance
-from lightning_gpipe.strategy._batch_check import BatchCheck, CheckBatches
-from lightning_gpipe.strategy._checkpoint_hooks import CheckpointHooks
-from lightning_gpipe.strategy._clean_exit import keep_at_exit
-from lightning_gpipe.strategy._data_loading import DataLoading, FedLoader, check_data_loading, open_feed
+from lightning_gpipe.strategy._batches import BatchCheck, CheckBatches, DataLoading, FedLoader, open_feed
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
 from lightning_gpipe.strategy._mesh import (
-    DP_REDUCTIONS,
     DpReduction,
-    MeshCollectives,
     PipelineMesh,
     default_backend,
+    keep_at_exit,
+    world_barrier,
+    world_broadcast,
+    world_vote,
 )
 from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
 from lightning_gpipe.strategy._partition_report import show as show_partition
 from lightning_gpipe.strategy._rank_pipeline import RankPipeline, StageOptions
 from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage, mute_prediction_output, unmute
-from lightning_gpipe.strategy._trace import Closure, StepTracer, check_trace_args
+from lightning_gpipe.strategy._trace import Closure, StepTracer
 from lightning_gpipe.strategy._weight_copies import keeping_ties
 
 _Model = pl.LightningModule | nn.Module | None
 
 
-class GPipeStrategy(CheckpointHooks, MeshCollectives):
+class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
 
     The backbone is split into K stages, one process each; the other processes are data-parallel replicas of the
@@ -141,26 +143,16 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         dp_reduction: DpReduction | None = None,
     ) -> None:
         super().__init__()
-        renamed = take_renamed(GPipeStrategy.__init__, locals())
-        activation_checkpointing = renamed.get("activation_checkpointing", activation_checkpointing)
-        bucket_cap_mb = renamed.get("bucket_cap_mb", bucket_cap_mb)
-        pipeline_loss = renamed.get("pipeline_loss", pipeline_loss)
-        data_parallel_reduction = renamed.get("data_parallel_reduction", data_parallel_reduction)
-        check_strategy_args(
-            chunks, pipeline_parallel_size, activation_checkpointing, output, batch_dim, check_batches, balance
-        )
-        check_loss_path(pipeline_loss, schedule)
-        if data_parallel_reduction not in DP_REDUCTIONS:
-            raise ValueError(
-                f"GPipeStrategy(data_parallel_reduction={data_parallel_reduction!r}): choose one of "
-                f"{list(DP_REDUCTIONS)}"
-            )
-        check_data_loading(data_loading)
+        checked = check_arguments(GPipeStrategy.__init__, locals())  # raises on a bad value; takes the old names
+        activation_checkpointing = checked.get("activation_checkpointing", activation_checkpointing)
+        bucket_cap_mb = checked.get("bucket_cap_mb", bucket_cap_mb)
+        pipeline_loss = checked.get("pipeline_loss", pipeline_loss)
+        data_parallel_reduction = checked.get("data_parallel_reduction", data_parallel_reduction)
+        self.trace_steps: tuple[int, ...] = checked["trace_steps"]
         self.data_parallel_reduction, self.data_loading = data_parallel_reduction, data_loading
         self._feed: BatchFeed | None = None
         self.pipeline_loss, self.schedule = pipeline_loss, schedule
         self._micro: MicroBatchLoss | None = None
-        self.trace_steps = check_trace_args(trace_dir, trace_steps)
         self.trace_dir = trace_dir
         self.chunks, self.backbone, self.balance = chunks, backbone, balance
         self.activation_checkpointing = activation_checkpointing
@@ -232,6 +224,18 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the stage must exist: each rank restores only its own layers
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself
+
+    # ---- processes: launcher, ranks, the mesh
+
     @override
     def _configure_launcher(self) -> None:
         env = self.cluster_environment
@@ -269,6 +273,8 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         assert self.lightning_module is not None
         internals.set_device_mesh(self.lightning_module, self._pipeline_mesh.device_mesh)
 
+    # ---- setup: every rank, in this order
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
@@ -276,29 +282,12 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         self.accelerator.setup(trainer)
         sync_bn = internals.layer_sync_requested(self)
         reject_unsupported(module, self.backbone, sync_batchnorm=sync_bn, deferred_batch_norm=self.deferred_batch_norm)
-        _, _, backbone = find_backbone(module, self.backbone)
-        built = False
-        if self._pipeline is None or self._pipeline.stage is not backbone:  # setup() runs again after fit
-            if isinstance(backbone, GPipeStage):  # pipelined by an earlier Trainer
-                self._pipeline = RankPipeline(backbone, mesh)
-            else:
-                options = StageOptions.of(self)
-                record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
-                self._pipeline = RankPipeline.build(
-                    module, self.backbone, backbone, options, mesh, self.root_device, sync_bn, record, self.broadcast
-                )
-                built = True
-        if self._pipeline.report is not None:
-            show_partition(self._pipeline.report, trainer, self, log=built)
-        # Predictions need the real output (see on_predict_start for where they are kept).
-        loss_only = self.output == "placeholder" and trainer.state.fn != TrainerFn.PREDICTING
-        self.stage.output_mode = "placeholder" if loss_only else "all"
-        with keeping_ties(self.model):
-            self.model = self.precision_plugin.convert_module(self.model)
-            self.model_to_device()
-        self._pipeline.connect(module, self.precision_plugin, self.root_device, int(self.bucket_cap_mb * 2**20))
+        built = self._pipeline_backbone(module, sync_bn)  # checked, balanced, split, materialized: RankPipeline.build
+        if self._rank_pipeline.report is not None:
+            show_partition(self._rank_pipeline.report, trainer, self, log=built)
+        self._connect(trainer, module)  # output mode, precision, device, copies, buckets
         args = (self.stage, self.schedule, self.batch_dim, mesh.header_group, self.precision_plugin)
-        self._micro = MicroBatchLoss.choose(module, self.pipeline_loss, *args)
+        self._micro = MicroBatchLoss.choose(module, self.pipeline_loss, *args)  # the loss path
         if self._feed is None:
             self._feed = open_feed(mesh, self.stage.is_first, log=built)
         self.barrier()
@@ -309,6 +298,31 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             internals.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _pipeline_backbone(self, module: pl.LightningModule, sync_batchnorm: bool) -> bool:
+        """This rank's pipeline around the backbone's stage; whether the backbone was pipelined now (setup runs again
+        after a fit, and a module may come pipelined by an earlier Trainer)."""
+        _, _, backbone = find_backbone(module, self.backbone)
+        if self._pipeline is not None and self._pipeline.stage is backbone:
+            return False
+        if isinstance(backbone, GPipeStage):
+            self._pipeline = RankPipeline(backbone, self._mesh)
+            return False
+        record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
+        args = (StageOptions.of(self), self._mesh, self.root_device, sync_batchnorm, record, self.broadcast)
+        self._pipeline = RankPipeline.build(module, self.backbone, backbone, *args)
+        return True
+
+    def _connect(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        assert self.model is not None
+        # Predictions need the real output (see on_predict_start for where they are kept).
+        loss_only = self.output == "placeholder" and trainer.state.fn != TrainerFn.PREDICTING
+        self.stage.output_mode = "placeholder" if loss_only else "all"
+        with keeping_ties(self.model):
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+        bucket_bytes = int(self.bucket_cap_mb * 2**20)
+        self._rank_pipeline.connect(module, self.precision_plugin, self.root_device, bucket_bytes)
 
     @contextmanager
     @override
@@ -339,6 +353,8 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    # ---- steps
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -414,6 +430,75 @@ class GPipeStrategy(CheckpointHooks, MeshCollectives):
     def optimizer_step(self, optimizer: Optimizer, closure: Closure, model: _Model = None, **kwargs: Any) -> Any:
         step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
         return self._tracer.optimizer_step(self.stage, self._mesh, step, closure)
+
+    # ---- collectives: sync_dist and all_gather over the replicas (as DDP over them); votes, barriers, broadcasts
+    # over the world
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        # Values are identical on the stages of a pipeline; sync_dist reduces over the data-parallel replicas.
+        if isinstance(tensor, Tensor):
+            return internals.sync_ddp_if_available(tensor, self._replicas(group), reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # As DDP over the replicas: one entry per replica (the stages of a pipeline hold the same values).
+        return internals.all_gather_ddp_if_available(tensor, group=self._replicas(group), sync_grads=sync_grads)
+
+    def _replicas(self, group: Any | None) -> Any:
+        """The group a DDP run over the replicas would use for ``group``: its world is the replicas of this stage
+        (``LightningModule.all_gather`` passes ``WORLD`` itself); any other group as given."""
+        return self._mesh.dp_group if group is None or group is dist.group.WORLD else group
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Not ParallelStrategy's vote over the replicas only: ModelCheckpoint and EarlyStopping need every rank's.
+        return world_vote(decision, all, self.root_device, self.world_size)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        world_barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return world_broadcast(obj, src)
+
+    # ---- checkpoints: each rank saves and restores only its own stage's layers and optimizer state, as a
+    # torch.distributed.checkpoint folder or one file of the plain module's keys, restored in any layout after setup
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}  # save_checkpoint collects every rank's states itself
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("GPipeStrategy.save_checkpoint does not take storage_options (it has no CheckpointIO)")
+        path = Path(self.broadcast(str(filepath)))
+        assert self.model is not None
+        pipeline = self._rank_pipeline
+        sharded, order = self.save_distributed_checkpoint, pipeline.plain_parameter_names
+        args = (self.global_rank, sharded, order, pipeline.stage, pipeline.mesh.K)
+        checkpointing.save(checkpoint, path, self.model, self.optimizers, *args)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        return checkpointing.load(path, self.model, self.optimizers, strict, self._rank_pipeline.plain_parameter_names)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in load_checkpoint
+
+    # ---- hooks
 
     @override
     def on_predict_start(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gpipe.strategy._batch_check import batch_fingerprint
+from lightning_gpipe.strategy._batches import batch_fingerprint
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.tiny_fit import BATCH, dataset, lightning_module
 
@@ -85,17 +85,17 @@ EPOCHS, STEPS_PER_EPOCH = 2, 3
 
 
 def check_batches_worker(rank: int, world_size: int, when: str) -> dict:
-    from lightning_gpipe.strategy import GPipeStrategy, _batch_check
+    from lightning_gpipe.strategy import GPipeStrategy, _batches
 
     warnings.simplefilter("ignore")
     checks = []
-    check_same_batch = _batch_check.check_same_batch
+    check_same_batch = _batches.check_same_batch
 
     def counted(*args, **kwargs):  # each call is one all-gather over the pipeline
         checks.append(1)
         return check_same_batch(*args, **kwargs)
 
-    _batch_check.check_same_batch = counted
+    _batches.check_same_batch = counted
 
     class LaterBatchesDiffer(TensorDataset):
         def __getitem__(self, i):  # the first batch of every epoch is the same on both stages, later ones are not

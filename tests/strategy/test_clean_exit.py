@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from lightning_gpipe.strategy import _clean_exit as clean_exit
+from lightning_gpipe.strategy import _mesh as clean_exit
 
 
 @pytest.mark.timeout(60)
