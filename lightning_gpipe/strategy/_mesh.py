@@ -1,4 +1,4 @@
-"""The process layout of GPipeStrategy: a (data_parallel × pipeline_parallel) mesh, its groups, world collectives."""
+"""The processes of GPipeStrategy: the (data_parallel × pipeline_parallel) mesh and groups, world collectives, exit."""
 
 from __future__ import annotations
 

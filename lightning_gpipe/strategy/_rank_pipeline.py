@@ -19,7 +19,7 @@ from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import check_backbone_layers
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit, check_loss
 from lightning_gpipe.strategy._averaged import WeightAverages
-from lightning_gpipe.strategy._balance import StrategyBalance, plan_balance, shown_costs
+from lightning_gpipe.strategy._balance import Plan, StrategyBalance, plan_balance, shown_costs
 from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
 from lightning_gpipe.strategy._mesh import PipelineMesh
 from lightning_gpipe.strategy._micro_batch_logs import sync_metrics_over
@@ -102,51 +102,28 @@ class RankPipeline:
     ) -> RankPipeline:
         """Replace ``backbone`` (at ``path``, and every other reference to it in ``module``) with this rank's stage.
 
-        Collective: every rank calls it. A module built on the meta device (configure_model under the strategy) is
-        materialized here, only this rank's share of it, as ``init_record`` says it was initialized.
+        Collective: every rank calls it. In order: the backbone checked; what only the whole module shows read
+        (its aliases, shared weights and weight averages, parameter names and counts, whether it is on the meta
+        device); the split balanced; this rank's stage made; every reference handed over to it; a module built on the
+        meta device (configure_model under the strategy) materialized, only this rank's share of it, as
+        ``init_record`` says it was initialized; BatchNorm synchronized over the replicas.
         """
         K, rank = mesh.K, mesh.rank
         check_backbone_layers(module, path, backbone, K)  # on every rank, before any collective
+        # Read now: the stage keeps only this rank's layers.
         names = [n for n, _ in module.named_parameters()]
         audit = BackboneAudit(module, backbone, path)
         averages = WeightAverages(module, backbone, path, audit.references, internals.averaged_copies(module))
         audit.findings += averages.findings
+        whole_model = WholeModel.read(module, path, backbone)
         on_meta = has_meta_tensors(module)
         whole = dict(module.named_modules()) if on_meta else {}
-        plan = plan_balance(
-            module,
-            backbone,
-            options.balance,
-            K,
-            options.chunks,
-            device,
-            on_meta=on_meta,
-            rank=rank,
-            batch_dim=options.batch_dim,
-            broadcast=broadcast,
-            # With the loss inside, the last stage runs F + B per micro-batch, the others F + R + B: about 3 : 4.
-            last_stage_scale=0.75 if options.pipeline_loss and options.checkpoint != "never" else 1.0,
-        )
-        # Taken from the whole backbone now, before the stage keeps only this rank's layers.
+        plan = _plan(module, backbone, options, mesh, device, on_meta, broadcast)
         costs = shown_costs(plan, backbone) if rank == 0 else plan.costs
-        whole_model = WholeModel.read(module, path, backbone)
-        stage = GPipeStage(
-            backbone,
-            chunks=options.chunks,
-            balance=plan.balance,
-            checkpoint=options.checkpoint,
-            batch_dim=options.batch_dim,
-            group=mesh.pp_group,
-            header_group=mesh.header_group,
-            upstream_group=mesh.upstream_group,
-            deferred_batch_norm=options.deferred_batch_norm,
-            output=options.output,
-            device=device,
-            timeout=mesh.timeout_s,
-        )
-        report = PartitionReport(whole_model, plan, stage.balance, costs)
+        stage = _stage(backbone, plan, options, mesh, device)
         audit.hand_over(stage, log=rank == 0)
         averages.follow(stage)
+        report = PartitionReport(whole_model, plan, stage.balance, costs)
         step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
         if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
             seed = broadcast(torch.initial_seed())
@@ -222,3 +199,49 @@ class RankPipeline:
         assert dp_reduce is not None and copies is not None, "connect() first"
         with self.stage.timeline.record("reduce"):
             dp_reduce.finish(started if started is not None else dp_reduce.start(), copies.sum_gradients)
+
+
+def _plan(
+    module: nn.Module,
+    backbone: nn.Sequential,
+    options: StageOptions,
+    mesh: PipelineMesh,
+    device: torch.device,
+    on_meta: bool,
+    broadcast: Callable[[Any], Any],
+) -> Plan:
+    """How many layers each stage holds (``GPipeStrategy(balance=...)``), resolved on rank 0 and broadcast."""
+    return plan_balance(
+        module,
+        backbone,
+        options.balance,
+        mesh.K,
+        options.chunks,
+        device,
+        on_meta=on_meta,
+        rank=mesh.rank,
+        batch_dim=options.batch_dim,
+        broadcast=broadcast,
+        # With the loss inside, the last stage runs F + B per micro-batch, the others F + R + B: about 3 : 4.
+        last_stage_scale=0.75 if options.pipeline_loss and options.checkpoint != "never" else 1.0,
+    )
+
+
+def _stage(
+    backbone: nn.Sequential, plan: Plan, options: StageOptions, mesh: PipelineMesh, device: torch.device
+) -> GPipeStage:
+    """This rank's stage of ``backbone``: its layers of the split ``plan``, on the pipeline's groups."""
+    return GPipeStage(
+        backbone,
+        chunks=options.chunks,
+        balance=plan.balance,
+        checkpoint=options.checkpoint,
+        batch_dim=options.batch_dim,
+        group=mesh.pp_group,
+        header_group=mesh.header_group,
+        upstream_group=mesh.upstream_group,
+        deferred_batch_norm=options.deferred_batch_norm,
+        output=options.output,
+        device=device,
+        timeout=mesh.timeout_s,
+    )

@@ -277,17 +277,20 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """Every rank, in this order: the module checked; its backbone pipelined (``RankPipeline.build``: checked,
+        read whole, balanced, split into this rank's stage, materialized); the split reported; the module converted,
+        moved and connected to the pipeline's groups; the loss path chosen; the data feed opened; the optimizers."""
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         module, mesh = self.lightning_module, self._mesh
         self.accelerator.setup(trainer)
         sync_bn = internals.layer_sync_requested(self)
         reject_unsupported(module, self.backbone, sync_batchnorm=sync_bn, deferred_batch_norm=self.deferred_batch_norm)
-        built = self._pipeline_backbone(module, sync_bn)  # checked, balanced, split, materialized: RankPipeline.build
+        built = self._pipeline_backbone(module, sync_bn)
         if self._rank_pipeline.report is not None:
             show_partition(self._rank_pipeline.report, trainer, self, log=built)
-        self._connect(trainer, module)  # output mode, precision, device, copies, buckets
+        self._connect(trainer, module)
         args = (self.stage, self.schedule, self.batch_dim, mesh.header_group, self.precision_plugin)
-        self._micro = MicroBatchLoss.choose(module, self.pipeline_loss, *args)  # the loss path
+        self._micro = MicroBatchLoss.choose(module, self.pipeline_loss, *args)
         if self._feed is None:
             self._feed = open_feed(mesh, self.stage.is_first, log=built)
         self.barrier()
@@ -314,6 +317,8 @@ class GPipeStrategy(ParallelStrategy):
         return True
 
     def _connect(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """The stage's output mode for this run; the module converted by the precision plugin and moved, its ties
+        kept; then the pipeline's collectives (copies, buckets, metrics, clipping and loss scaling) set up."""
         assert self.model is not None
         # Predictions need the real output (see on_predict_start for where they are kept).
         loss_only = self.output == "placeholder" and trainer.state.fn != TrainerFn.PREDICTING
