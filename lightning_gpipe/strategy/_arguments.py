@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_deprecation
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe._torch_internals import BatchNormBase
 from lightning_gpipe.pipe.forward_backward import SCHEDULES
 from lightning_gpipe.pipe.schedule import CHECKPOINT_MODES
 from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
@@ -275,7 +276,7 @@ def reject_unsupported(module: nn.Module, backbone: str, *, sync_batchnorm: bool
     outside = [
         name
         for name, m in module.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not name.startswith(f"{backbone}.")
+        if isinstance(m, BatchNormBase) and not name.startswith(f"{backbone}.")
     ]
     if outside:
         raise ValueError(
