@@ -1,29 +1,21 @@
-"""A training step with the loss inside the pipeline: GPipe or 1F1B, each micro-batch's loss on the last stage.
+"""A training step with the loss inside the pipeline: each rank runs its schedule's actions, the loss on the last stage.
 
-K = 3 stages, M = 4 micro-batches, unit costs; F m = forward of micro-batch m, B m = its backward (on the last
-stage it begins with the loss of micro-batch m, so its backward starts as soon as its forward ends); '.' = idle:
+The schedules are data (``pipe.schedules``: each rank's ordered actions, drawn there); this executor runs the ones
+marked runnable, "gpipe" and "1f1b" (F m and B m on one chunk per rank), after ``pipe.simulator`` checked them
+(once per schedule, K and M) in the transport's communicator layout under NCCL's ordering rules.
 
-    "gpipe"                                           "1f1b" (warm-up: min(M, K − k) forwards)
-       t  0  1  2  3  4  5  6  7  8  9 10 11             t  0  1  2  3  4  5  6  7  8  9 10 11
-    s0 | F0 F1 F2 F3  .  . B0 B1  . B2  . B3         s0 | F0 F1 F2  .  . B0 F3 B1  . B2  . B3
-    s1 |  . F0 F1 F2 F3 B0 B1  . B2  . B3  .         s1 |  . F0 F1  . B0 F2 B1 F3 B2  . B3  .
-    s2 |  .  . F0 B0 F1 B1 F2 B2 F3 B3  .  .         s2 |  .  . F0 B0 F1 B1 F2 B2 F3 B3  .  .
-    micro-batches in flight per stage: 4, 4, 1       micro-batches in flight per stage: 3, 2, 1
-
-Both take 2(M + K − 1) units, GPipe's bubble and nothing else: no stage waits for a loss computed on the whole
-batch between the phases. 1F1B keeps at most K − k micro-batches' activations on stage k instead of M.
-
-Each stage runs its op list in order. Sends never block; a forward waits for its input and a backward for its
-output gradient (posted before the recompute, which fills the wait, as in the fill/drain schedule). Re-materialization
-``except_last`` generalizes to: keep the graph of micro-batch m when its backward is the next op after its
-forward (recomputing it would only delay that backward) -- every micro-batch on the last stage, which therefore
-holds one micro-batch's output at a time. Deferred BatchNorm statistics are committed after the stage's last forward.
+Each stage runs its actions in order. Sends never block the host; a forward waits for its input and a backward for
+its output gradient (posted before the recompute, which fills the wait, as in the fill/drain schedule).
+Re-materialization ``except_last`` generalizes to: keep the graph of micro-batch m when its backward is the next
+action after its forward (recomputing it would only delay that backward) -- every micro-batch on the last stage,
+which therefore holds one micro-batch's output at a time. Deferred BatchNorm statistics are committed after the
+stage's last forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Literal, get_args
 
 import torch
@@ -32,11 +24,13 @@ from lightning_gpipe.pipe.batchnorm import check_replicas_run_the_same_m, commit
 from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_leaves
 from lightning_gpipe.pipe.records import Step
 from lightning_gpipe.pipe.rng import restored_streams
-from lightning_gpipe.pipe.schedule import Checkpoint, Pairs, Schedule
+from lightning_gpipe.pipe.schedule import Pairs, Schedule
+from lightning_gpipe.pipe.schedules import Action, keeps_graph, lookup
+from lightning_gpipe.pipe.simulator import simulate
 
+# The schedules this executor runs: the registry's runnable ones (pipe.schedules.SCHEDULES holds them all).
 ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
-Op = tuple[Literal["F", "B"], int]
 # The last stage's loss of one micro-batch: (its output, m) -> a scalar tensor to back-propagate.
 LossFn = Callable[[Any, int], torch.Tensor]
 
@@ -48,33 +42,14 @@ def validate_schedule(name: str) -> ScheduleName:
     raise ValueError(f"schedule={name!r} is not one of {list(SCHEDULES)}")
 
 
-def gpipe_ops(k: int, K: int, M: int) -> list[Op]:
-    """Stage k's ops under GPipe: every forward, then every backward (the last stage: each right after its forward)."""
-    if k == K - 1:
-        return [op for m in range(M) for op in (("F", m), ("B", m))]
-    return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
-
-
-def one_f_one_b_ops(k: int, K: int, M: int) -> list[Op]:
-    """Stage k's ops under 1F1B: min(M, K − k) forwards, then a backward and a forward by turns, then the rest."""
-    warm_up = min(M, K - k)
-    ops: list[Op] = [("F", m) for m in range(warm_up)]
-    for m in range(M):
-        ops.append(("B", m))
-        if warm_up + m < M:
-            ops.append(("F", warm_up + m))
-    return ops
-
-
-OPS: dict[ScheduleName, Callable[[int, int, int], list[Op]]] = {"gpipe": gpipe_ops, "1f1b": one_f_one_b_ops}
-
-
-def keeps_graph(mode: Checkpoint, ops: list[Op], m: int) -> bool:
-    """Whether micro-batch m keeps its inner activations from its forward to its backward (else: recomputed)."""
-    if mode != "except_last":
-        return mode == "never"
-    at = ops.index(("F", m))
-    return ops[at + 1] == ("B", m)
+@lru_cache(maxsize=64)
+def rank_actions(schedule: ScheduleName, K: int, M: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's actions under ``schedule``, once the simulator found them valid and free of deadlocks."""
+    spec = lookup(schedule)
+    assert spec.runnable, f"the executor does not run {schedule!r}: validate_schedule admits only {SCHEDULES}"
+    actions = spec.actions(K, M)
+    simulate(actions, K)
+    return tuple(tuple(ops) for ops in actions)
 
 
 def forward_backward(
@@ -101,7 +76,7 @@ def forward_backward(
         could_require = any(p.requires_grad for p in s.layers.parameters())
         step = Step([], input_leaves=input_leaves, seed=seed)
         s.stateful_buffers.begin()
-        ops = OPS[schedule](s.index, s.num_stages, len(sizes)) if s.is_first else None
+        ops = rank_actions(schedule, s.num_stages, len(sizes))[s.index] if s.is_first else None
         input_grads: list[list[torch.Tensor]] = [[] for _ in sizes]
 
         def roots(y: Any, marks: list[bool], m: int) -> Pairs:
@@ -114,7 +89,7 @@ def forward_backward(
 
         pos = 0
         while ops is None or pos < len(ops):
-            kind, m = ops[pos] if ops is not None else ("F", 0)
+            kind, m, _ = ops[pos] if ops is not None else Action("F", 0)
             where[0] = m
             if kind == "F":
                 if s.is_first:
@@ -123,7 +98,7 @@ def forward_backward(
                     x, got = s.peers().receive(m, training=True)
                     M, n, step.seed = got["M"], got["n"], got["seed"]
                 if ops is None:  # the first header told this stage M
-                    ops = OPS[schedule](s.index, s.num_stages, M)
+                    ops = rank_actions(schedule, s.num_stages, M)[s.index]
                     input_grads = [[] for _ in range(M)]
                 if m == 0:
                     check_replicas_run_the_same_m(s.layers, M, s.device)

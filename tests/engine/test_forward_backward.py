@@ -1,4 +1,4 @@
-"""The loss inside the pipeline (GPipeStage.forward_backward): the schedules as drawn, the plain model's run."""
+"""The loss inside the pipeline (GPipeStage.forward_backward): the executor's schedules, the plain model's run."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_gpipe.pipe.forward_backward as forward_backward_module
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.errors import PipelineError
-from lightning_gpipe.pipe.forward_backward import OPS, LossFn, keeps_graph, one_f_one_b_ops
+from lightning_gpipe.pipe.forward_backward import SCHEDULES, LossFn, rank_actions, validate_schedule
+from lightning_gpipe.pipe.schedules import SCHEDULES as REGISTRY
+from lightning_gpipe.pipe.schedules import Action, keeps_graph
+from lightning_gpipe.pipe.simulator import Costs, simulate
 from tests.helpers import models
 from tests.helpers.launch import run_distributed
 from tests.helpers.parity import (
@@ -30,78 +32,35 @@ from tests.helpers.parity import (
 )
 
 
-def simulate(schedule: str, K: int, M: int) -> list[str]:
-    """Unit-cost timeline of the op lists: F m waits for F m on the stage before, B m for B m on the stage after
-    (the last stage's for its own F m); one row per stage as in the module docstring."""
-    ops = [OPS[schedule](k, K, M) for k in range(K)]  # type: ignore[index]
-    done: dict[tuple[str, int, int], int] = {}
-    rows: list[list[str]] = [[] for _ in range(K)]
-    pos = [0] * K
-    t = 0
-    while any(p < len(o) for p, o in zip(pos, ops)):
-        ran = []
-        for k in range(K):
-            if pos[k] == len(ops[k]):
-                rows[k].append(" .")
-                continue
-            kind, m = ops[k][pos[k]]
-            dep = ("F", k - 1, m) if kind == "F" else (("B", k + 1, m) if k < K - 1 else ("F", k, m))
-            ready = (kind == "F" and k == 0) or done.get(dep, t) < t
-            rows[k].append(f"{kind}{m}" if ready else " .")
-            if ready:
-                ran.append((kind, k, m))
-        for kind, k, m in ran:
-            done[(kind, k, m)] = t
-            pos[k] += 1
-        t += 1
-    return ["".join(f" {c:>2}" for c in row).replace(" .", ".").rstrip(". ") for row in rows]
-
-
-def drawn(schedule: str) -> list[str]:
-    """The rows drawn in the docstring of pipe.forward_backward for ``schedule``, in the same format as simulate()."""
-    doc = forward_backward_module.__doc__ or ""
-    column = 0 if schedule == "gpipe" else 1
-    rows = []
-    for line in doc.splitlines():
-        parts = re.findall(r"s\d \|([^s]*)", line)
-        if len(parts) == 2:
-            cells = parts[column].split()
-            rows.append("".join(f" {c:>2}" for c in cells).replace(" .", ".").rstrip(". "))
-    return rows
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_the_drawn_schedules_are_what_the_op_lists_do(schedule: str) -> None:
-    assert drawn(schedule) == simulate(schedule, 3, 4)
-    assert len(drawn(schedule)) == 3
-
-
 @pytest.mark.parametrize(("K", "M"), [(1, 1), (2, 8), (3, 4), (4, 2), (4, 8), (8, 3)])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_op_lists_run_every_micro_batch_once_and_bound_what_is_in_flight(schedule: str, K: int, M: int) -> None:
-    for k in range(K):
-        ops = OPS[schedule](k, K, M)  # type: ignore[index]
-        assert sorted(ops) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
-        assert [m for kind, m in ops if kind == "F"] == list(range(M))
-        assert [m for kind, m in ops if kind == "B"] == list(range(M))
-        assert all(ops.index(("F", m)) < ops.index(("B", m)) for m in range(M))
-        in_flight = peak = 0
-        for kind, _ in ops:
-            in_flight += 1 if kind == "F" else -1
-            peak = max(peak, in_flight)
+    actions = rank_actions(schedule, K, M)  # type: ignore[arg-type]
+    for k, ops in enumerate(actions):
+        assert sorted(ops) == sorted([Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)])
+        assert [m for kind, m, _ in ops if kind == "F"] == list(range(M))
+        assert [m for kind, m, _ in ops if kind == "B"] == list(range(M))
         expected = min(M, K - k) if schedule == "1f1b" or k == K - 1 else M
         if schedule == "gpipe" and k == K - 1:
             expected = 1
-        assert peak == expected, (k, ops)
+        assert simulate(actions, K).peak[k] == expected, (k, ops)
     # 2(M + K − 1) units with unit costs: GPipe's bubble, no more.
-    assert max(len(row.split()) for row in simulate(schedule, K, M)) <= 2 * (M + K - 1)
+    assert simulate(actions, K, costs=Costs(B=1), nccl=False).makespan == 2 * (M + K - 1)
+
+
+def test_the_executor_runs_the_registrys_runnable_schedules() -> None:
+    assert SCHEDULES == tuple(name for name, spec in REGISTRY.items() if spec.runnable)
+    for name in REGISTRY:
+        if name not in SCHEDULES:
+            with pytest.raises(ValueError, match=re.escape(f"schedule={name!r} is not one of ['gpipe', '1f1b']")):
+                validate_schedule(name)
 
 
 def test_except_last_keeps_the_graphs_whose_backward_comes_next() -> None:
-    ops = one_f_one_b_ops(1, 3, 4)  # F0 F1 B0 F2 B1 F3 B2 B3: the recompute of 3 fills the wait for its gradient
+    ops = rank_actions("1f1b", 3, 4)[1]  # F0 F1 B0 F2 B1 F3 B2 B3: the recompute of 3 fills the wait for its gradient
     assert not any(keeps_graph("except_last", ops, m) for m in range(4))
-    assert keeps_graph("except_last", one_f_one_b_ops(0, 3, 1), 0)  # F0 B0
-    last = one_f_one_b_ops(2, 3, 4)
+    assert keeps_graph("except_last", rank_actions("1f1b", 3, 1)[0], 0)  # F0 B0
+    last = rank_actions("1f1b", 3, 4)[2]
     assert all(keeps_graph("except_last", last, m) for m in range(4))
     assert not any(keeps_graph("always", last, m) for m in range(4))
     assert all(keeps_graph("never", ops, m) for m in range(4))

@@ -1,0 +1,214 @@
+"""Pipeline schedules as data: per rank, the ordered forward and backward actions of each micro-batch on each chunk.
+
+A schedule is, per rank, a list of actions; the sends and receives follow from it (``pipe.simulator`` derives them,
+checks the lists and times them). F m = forward of micro-batch m; B m = its backward (on the last stage it begins
+with the loss of micro-batch m, so it can start as soon as its forward ends); I m and W m = B m's halves, the input
+gradient (which the previous stage waits for) and the weight gradient (which nobody waits for). With v chunks per
+rank, a letter names the chunk: rank r holds stages r (a), r + K (b), … Drawn by ``simulator.draw``: every action one
+unit long, sends that never stall ('.' = idle); "peak live": most micro-batches (per chunk) between F and B or W.
+
+K = 3 ranks, M = 4 micro-batches:
+
+    "gpipe"                                     "1f1b" (warm-up: min(M, K − k) forwards)
+     t |  0  1  2  3  4  5  6  7  8  9 10 11     t |  0  1  2  3  4  5  6  7  8  9 10 11
+    r0 | F0 F1 F2 F3  .  . B0 B1  . B2  . B3    r0 | F0 F1 F2  .  . B0 F3 B1  . B2  . B3
+    r1 |  . F0 F1 F2 F3 B0 B1  . B2  . B3       r1 |  . F0 F1  . B0 F2 B1 F3 B2  . B3
+    r2 |  .  . F0 B0 F1 B1 F2 B2 F3 B3          r2 |  .  . F0 B0 F1 B1 F2 B2 F3 B3
+    peak live per rank: 4, 4, 1                 peak live per rank: 3, 2, 1
+
+Both take 2(M + K − 1) units, GPipe's bubble and nothing else: no stage waits for a loss computed on the whole
+batch between the phases. 1F1B keeps at most K − k micro-batches' activations on rank k instead of M. Under NCCL
+with sends that wait for their receive, GPipe's middle ranks cannot run ahead of the last one: on one downstream
+communicator a rank's receive from rank k − 1 queues behind its send to rank k + 1 (``simulate``, ``nccl=True``).
+
+ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"; torch's ZB1P with one chunk per rank): 1F1B's order with
+B split, rank k deferring its W's by k backwards, which then fill the cool-down. With I = W = 1 it takes
+3M + K − 1 units where 1F1B (B = 2) takes 3(M + K − 1); every rank holds min(M, K), 1F1B's rank 0 peak:
+
+    "zb-h1"
+     t |  0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    r0 | F0 F1 F2  .  . I0 W0 F3 I1 W1 I2 W2 I3 W3
+    r1 |  . F0 F1  . I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
+    r2 |  .  . F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3
+    peak live per rank: 3, 3, 3
+
+Interleaved 1F1B (Narayanan et al. 2021; the order of torch's ScheduleInterleaved1F1B, without its idle padding),
+K = 2, M = 4, v = 2, each chunk half a stage: the bubble shrinks by v, for more activations in flight:
+
+    "interleaved-1f1b"
+     t |   0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17
+    r0 | F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a   . B2b   . B3b B2a B3a
+    r1 |   . F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a
+    peak live per rank: 5, 3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+if TYPE_CHECKING:  # the registry and the simulator need no torch
+    from lightning_gpipe.pipe.schedule import Checkpoint
+
+Kind = Literal["F", "B", "I", "W"]
+
+
+class Action(NamedTuple):
+    """One unit of a rank's work: F (forward), B (backward), or B's halves I (input gradient: what the previous
+    stage waits for) and W (weight gradient: nobody waits for it), of micro-batch ``m`` on the rank's chunk ``c``.
+
+    Rank r of K holds chunks 0 … v−1, the stages r, r + K, …, r + (v−1)K: chunk c is stage c·K + r.
+    """
+
+    kind: Kind
+    m: int
+    c: int = 0
+
+    def label(self, v: int) -> str:
+        """As drawn: kind, micro-batch, and the chunk as a letter (a, b, …) when the rank holds several."""
+        return f"{self.kind}{self.m}" + (chr(ord("a") + self.c) if v > 1 else "")
+
+
+Build = Callable[[int, int, int], list[list[Action]]]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A registered schedule: ``build(K, M, v)`` gives each rank's actions; ``v`` from ``v_min`` to ``v_max``
+    (None: no bound); ``runnable``: the executor (``forward_backward``) runs it; ``example``: (K, M, v) drawn above."""
+
+    name: str
+    build: Build
+    description: str
+    v_min: int = 1
+    v_max: int | None = 1
+    runnable: bool = False
+    example: tuple[int, int, int] = (3, 4, 1)
+
+    def accepts(self, v: int) -> bool:
+        return self.v_min <= v and (self.v_max is None or v <= self.v_max)
+
+    def actions(self, K: int, M: int, v: int = 1) -> list[list[Action]]:
+        """Each rank's actions for K ranks, M micro-batches, v chunks per rank; a clear ValueError if refused."""
+        for what, n in (("K", K), ("M", M), ("v", v)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"schedule {self.name!r}: {what} must be a positive integer, got {n!r}")
+        if not self.accepts(v):
+            allowed = f"v = {self.v_min}" if self.v_max == self.v_min else f"v ≥ {self.v_min}"
+            raise ValueError(
+                f"schedule {self.name!r} takes {allowed} chunks per rank, got v = {v}"
+                + ("; with several chunks per rank use 'interleaved-1f1b'" if self.v_max == 1 else "")
+                + ("; with one chunk per rank use '1f1b'" if self.v_min > 1 else "")
+            )
+        return self.build(K, M, v)
+
+
+def gpipe(K: int, M: int, v: int) -> list[list[Action]]:
+    """Every forward, then every backward; the last stage runs each backward right after its forward."""
+    last = [a for m in range(M) for a in (Action("F", m), Action("B", m))]
+    fill_drain = [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
+    return [last if k == K - 1 else list(fill_drain) for k in range(K)]
+
+
+def one_f_one_b(K: int, M: int, v: int) -> list[list[Action]]:
+    """min(M, K − k) forwards on rank k, then a backward and a forward by turns, then the remaining backwards."""
+    ranks = []
+    for k in range(K):
+        warm_up = min(M, K - k)
+        ops = [Action("F", m) for m in range(warm_up)]
+        for m in range(M):
+            ops.append(Action("B", m))
+            if warm_up + m < M:
+                ops.append(Action("F", warm_up + m))
+        ranks.append(ops)
+    return ranks
+
+
+def zb_h1(K: int, M: int, v: int) -> list[list[Action]]:
+    """1F1B with each backward split into I and W; rank k defers its W's by k backwards into the cool-down."""
+    ranks = []
+    for k in range(K):
+        warm_up = min(M, K - k)
+        ops = [Action("F", m) for m in range(warm_up)]
+        w = 0
+        for m in range(M):
+            ops.append(Action("I", m))
+            if m >= k:
+                ops.append(Action("W", w))
+                w += 1
+            if warm_up + m < M:
+                ops.append(Action("F", warm_up + m))
+        ops += [Action("W", m) for m in range(w, M)]
+        ranks.append(ops)
+    return ranks
+
+
+def interleaved_1f1b(K: int, M: int, v: int) -> list[list[Action]]:
+    """torch.distributed.pipelining's ScheduleInterleaved1F1B (Megatron's order), without its idle padding: the
+    micro-batches go in rounds of M / max(1, M // K), each round through chunk 0, 1, … forward, backward in reverse."""
+    rounds = max(1, M // K)
+    if M % rounds:
+        fits = sorted({n for n in (M - M % K, M + K - M % K) if n and n % max(1, n // K) == 0})
+        raise ValueError(
+            f"schedule 'interleaved-1f1b' runs M micro-batches in rounds of M / max(1, M // K) (as torch's "
+            f"ScheduleInterleaved1F1B does), which needs M to be a multiple of max(1, M // K) = {rounds}: "
+            f"M = {M} with K = {K} is not; use M < {2 * K}, or M = {' or '.join(map(str, fits))}"
+        )
+    per_round = M // rounds
+    ranks = []
+    for r in range(K):
+        warm_up = min((v - 1) * per_round + 2 * (K - 1 - r), M * v)
+        next_f, next_b = [0] * v, [0] * v
+        ops = []
+        for step in range(M * v + warm_up):
+            if step < M * v:
+                c = (step // per_round) % v
+                ops.append(Action("F", next_f[c], c))
+                next_f[c] += 1
+            if step >= warm_up:
+                c = v - 1 - ((step - warm_up) // per_round) % v
+                ops.append(Action("B", next_b[c], c))
+                next_b[c] += 1
+        ranks.append(ops)
+    return ranks
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    s.name: s
+    for s in (
+        ScheduleSpec("gpipe", gpipe, "fill/drain: every forward, then every backward (M in flight)", runnable=True),
+        ScheduleSpec(
+            "1f1b", one_f_one_b, "one forward, one backward: at most K − k in flight on rank k", runnable=True
+        ),
+        ScheduleSpec(
+            "interleaved-1f1b",
+            interleaved_1f1b,
+            "1F1B over v chunks per rank (stages r, r + K, …): the bubble divided by v",
+            v_min=2,
+            v_max=None,
+            example=(2, 4, 2),
+        ),
+        ScheduleSpec(
+            "zb-h1", zb_h1, "1F1B with backward split into I and W, W deferred into the cool-down", example=(3, 4, 1)
+        ),
+    )
+}
+
+
+def lookup(name: str) -> ScheduleSpec:
+    """The registered schedule ``name``, or a ValueError naming the registered ones."""
+    if isinstance(name, str) and name in SCHEDULES:
+        return SCHEDULES[name]
+    raise ValueError(f"schedule={name!r} is not a registered schedule; choose one of {list(SCHEDULES)}")
+
+
+def keeps_graph(mode: Checkpoint, actions: Sequence[Action], m: int, c: int = 0) -> bool:
+    """Whether micro-batch m keeps chunk c's inner activations from its forward to its backward (else: recomputed).
+
+    ``except_last`` keeps them when the rank's next action after the forward is that backward (or its input half):
+    recomputing would only delay it."""
+    if mode != "except_last":
+        return mode == "never"
+    at = actions.index(Action("F", m, c))
+    return at + 1 < len(actions) and actions[at + 1] in (Action("B", m, c), Action("I", m, c))

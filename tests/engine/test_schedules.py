@@ -1,0 +1,193 @@
+"""Schedules as data (``pipe.schedules``) run on the simulator: valid over a grid, their known times and memory,
+the drawn diagrams, and the errors of a schedule that is wrong or that NCCL's ordering rules would hang."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import lightning_gpipe.pipe.schedules as schedules_module
+from lightning_gpipe.pipe.schedules import SCHEDULES, Action, lookup
+from lightning_gpipe.pipe.simulator import Costs, ScheduleError, draw, simulate
+
+
+def _cells(row: str) -> str:
+    """A drawn row's cells, one space apart, without the idle tail."""
+    cells = row.split()
+    while cells and cells[-1] == ".":
+        cells.pop()
+    return " ".join(cells)
+
+
+def drawn(name: str) -> tuple[list[str], list[int]]:
+    """The rows drawn for ``name`` in pipe.schedules' docstring, and its line of peaks."""
+    rows: list[str] = []
+    peak: list[int] = []
+    column = None
+    for line in (schedules_module.__doc__ or "").splitlines():
+        names = re.findall(r'"([a-z0-9-]+)"', line)
+        if names:
+            column = names.index(name) if name in names else None
+            continue
+        if column is None:
+            continue
+        if re.search(r"r\d+ \|", line):
+            rows.append(_cells(re.findall(r"r\d+ \|((?:(?!r\d+ \|).)*)", line)[column]))
+        elif "peak live per rank:" in line:
+            text = re.findall(r"peak live per rank: ([\d, ]+\d)", line)[column]
+            peak = [int(n) for n in text.split(",")]
+            column = None
+    return rows, peak
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_drawn_schedules_are_what_the_action_lists_do(name: str) -> None:
+    K, M, v = SCHEDULES[name].example
+    actions = SCHEDULES[name].actions(K, M, v)
+    rows, peak = drawn(name)
+    assert rows == [_cells(row.split("|")[1]) for row in draw(actions, K, v)[1:]]
+    assert len(rows) == K
+    assert peak == simulate(actions, K, v).peak
+
+
+def test_lookup_names_the_registered_schedules() -> None:
+    assert lookup("zb-h1") is SCHEDULES["zb-h1"]
+    with pytest.raises(ValueError, match=re.escape("schedule='zb-h2' is not a registered schedule; choose one of")):
+        lookup("zb-h2")
+    assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"} <= set(SCHEDULES)
+    assert [name for name, s in SCHEDULES.items() if s.runnable] == ["gpipe", "1f1b"]
+
+
+def _refusal(name: str, K: int, M: int, v: int) -> str | None:
+    """What the registry says to a combination the schedule refuses (None: it accepts it)."""
+    try:
+        SCHEDULES[name].actions(K, M, v)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9])
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_is_valid_and_free_of_deadlocks_under_nccl_rules(name: str, K: int, M: int, v: int) -> None:
+    refusal = _refusal(name, K, M, v)
+    if refusal is not None:
+        if not SCHEDULES[name].accepts(v):
+            assert f"schedule {name!r} takes v " in refusal and f"got v = {v}" in refusal, refusal
+        else:  # torch's rounds of M / max(1, M // K) micro-batches: M a multiple of max(1, M // K)
+            assert name == "interleaved-1f1b" and M % max(1, M // K), refusal
+            assert f"M = {M} with K = {K} is not; use M < {2 * K}, or M = " in refusal, refusal
+        return
+    actions = SCHEDULES[name].actions(K, M, v)
+    assert len(actions) == K
+    unit = Costs(F=1 / v, B=2 / v, I=1 / v, W=1 / v)  # a rank's v chunks cost what one stage costs
+    result = simulate(actions, K, v, unit)  # the runtime's communicator layout, NCCL's rules
+    assert simulate(actions, K, v, unit, nccl=False).makespan <= result.makespan + 1e-9
+    assert max(result.finish) == result.makespan and 0 <= result.bubble < 1
+    one_f_one_b = simulate(SCHEDULES["1f1b"].actions(K, M, 1), K)
+    if name == "gpipe":
+        assert result.peak[0] == (M if K > 1 else 1) and max(result.peak) <= M  # one rank: F0 B0 F1 B1 …
+        assert simulate(actions, K, nccl=False).makespan == 3 * (M + K - 1)
+        assert simulate(actions, K, layout="link").makespan == 3 * (M + K - 1)
+    if name == "1f1b":
+        assert result.peak == [min(M, K - k) for k in range(K)]
+        assert result.makespan == 3 * (M + K - 1)
+        assert result.finish == [3 * (M + K - 1) - 2 * k for k in range(K)]
+    if name == "zb-h1":
+        assert max(result.peak) <= max(one_f_one_b.peak)
+        if M >= K >= 2:
+            assert result.makespan < one_f_one_b.makespan
+            assert result.makespan == 3 * M + K - 1  # ZB-H1's bubble: (K − 1)(F + I − W)
+    if name == "interleaved-1f1b" and M >= K >= 2:
+        assert result.makespan < one_f_one_b.makespan - 1e-9
+
+
+def test_one_communicator_for_both_directions_deadlocks_under_nccl_rules_only() -> None:
+    """K = 2 with the loss inside on one communicator: rank 0 sends a0 and a1 before it receives g0, rank 1 sends
+    g0 before it receives a1; with rendezvous sends run in posting order neither moves, buffered sends pass."""
+    actions = SCHEDULES["gpipe"].actions(2, 2, 1)
+    simulate(actions, 2, layout="single", nccl=False)
+    simulate(actions, 2)  # the runtime's layout: activations and gradients on two communicators
+    with pytest.raises(ScheduleError) as caught:
+        simulate(actions, 2, layout="single")
+    text = str(caught.value)
+    assert text.startswith("the schedule deadlocks under NCCL's rules (single communicator layout): ")
+    assert "rank 0 is in B0 (action 3 of 4, stage 0) and waits for micro-batch 0's gradient from stage 1" in text
+    assert "rank 0's send to rank 1 of micro-batch 1's activation from stage 0 waits for its receive" in text
+    assert "rank 1 is in F1 (action 3 of 4, stage 1) and waits for micro-batch 1's activation from stage 0" in text
+    assert "rank 1's send to rank 0 of micro-batch 0's gradient from stage 1 waits for its receive" in text
+    assert "With buffered sends (gloo) it would run" in text
+
+
+def test_interleaving_deadlocks_with_a_communicator_per_direction_of_flow() -> None:
+    """Activations around the ring (rank K − 1 → rank 0 between chunks) on one communicator form a cycle; the
+    runtime's layout, by rank order, puts that hop on the other communicator and runs."""
+    actions = SCHEDULES["interleaved-1f1b"].actions(2, 2, 2)
+    simulate(actions, 2, 2)
+    with pytest.raises(ScheduleError, match=r"under NCCL's rules \(flow communicator layout\): rank 0 is in F0b"):
+        simulate(actions, 2, 2, layout="flow")
+
+
+def test_an_order_against_the_data_dependencies_is_a_deadlock_even_with_buffered_sends() -> None:
+    F, B = (lambda m: Action("F", m)), (lambda m: Action("B", m))
+    actions = [[F(0), B(0), F(1), B(1)], [F(0), F(1), B(0), B(1)]]  # rank 1 waits for a1 before sending g0
+    for nccl in (True, False):
+        with pytest.raises(ScheduleError) as caught:
+            simulate(actions, 2, nccl=nccl)
+        text = str(caught.value)
+        assert "rank 0 is in B0 (action 2 of 4, stage 0) and waits for micro-batch 0's gradient from stage 1" in text
+        assert "rank 1 is in F1 (action 2 of 4, stage 1) and waits for micro-batch 1's activation from stage 0" in text
+    with pytest.raises(
+        ScheduleError, match="It deadlocks with buffered sends too: the action order contradicts the data"
+    ):
+        simulate(actions, 2)
+
+
+def test_two_ends_that_order_their_transfers_differently_are_refused() -> None:
+    F, B = (lambda m: Action("F", m)), (lambda m: Action("B", m))
+    actions = [[F(0), F(1), B(0), B(1)], [F(1), B(1), F(0), B(0)]]
+    with pytest.raises(ScheduleError) as caught:
+        simulate(actions, 2)
+    assert str(caught.value).startswith(
+        "rank 1's receive of micro-batch 1's activation from stage 0 would meet rank 0's send of micro-batch 0's "
+        "activation from stage 0 on the downstream communicator"
+    )
+
+
+@pytest.mark.parametrize(
+    ("ops", "message"),
+    [
+        (
+            [Action("F", 0), Action("F", 1), Action("B", 1)],
+            "rank 0, micro-batch 0 on chunk 0 (stage 0): has F; it needs",
+        ),
+        (
+            [Action("B", 0), Action("F", 0)],
+            "rank 0, micro-batch 0 on chunk 0 (stage 0): runs B F; it must run F, then B",
+        ),
+        ([Action("F", 0), Action("W", 0), Action("I", 0)], "runs F W I; it must run F, then B (or I, then W)"),
+        ([Action("F", 0), Action("B", 0), Action("B", 0)], "has F B B; it needs F and B, or F, I and W"),
+        ([Action("F", 0), Action("B", 0, 1)], "Action(kind='B', m=0, c=1) is not an action"),
+    ],
+)
+def test_invalid_action_lists_are_refused(ops: list[Action], message: str) -> None:
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        simulate([ops], 1)
+    with pytest.raises(ScheduleError, match=re.escape("action lists for 1 ranks, but K = 2")):
+        simulate([ops], 2)
+
+
+def test_costs_recompute_and_transfers() -> None:
+    """1F1B at K = 2, M = 1: a transfer delays each hop; rank 0 recomputes while it waits for its gradient (free),
+    the last rank only after its forward (on the critical path)."""
+    actions = SCHEDULES["1f1b"].actions(2, 1, 1)
+    assert simulate(actions, 2).makespan == 6
+    assert simulate(actions, 2, costs=Costs(transfer=0.5)).makespan == 7
+    assert simulate(actions, 2, costs=Costs(R=1), checkpoint="always").makespan == 7
+    assert simulate(actions, 2, costs={(1, 0): Costs(R=1)}, checkpoint="always").timeline[0][1][1:] == (5, 7)
+    assert simulate(actions, 2, costs={(0, 0): Costs(R=3)}, checkpoint="always").makespan == 6
+    assert simulate(actions, 2, costs={(0, 0): Costs(R=4)}, checkpoint="always").makespan == 7
+    assert simulate(actions, 2, costs=Costs(R=1), checkpoint="except_last").makespan == 6  # F0 B0 keeps its graph
