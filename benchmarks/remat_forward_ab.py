@@ -25,7 +25,7 @@ FORWARDS = ("no_grad", "grad mode, nothing saved")
 
 
 def run_job(rank: int, world: int, job: dict) -> dict[str, list[float]]:
-    import lightning_gpipe.pipe.schedule as schedule_module
+    import lightning_gpipe.pipe.executor as schedule_module
     from lightning_gpipe.pipe import GPipeStage
     from lightning_gpipe.pipe.rematerialize import discarded_graph
 

@@ -6,11 +6,11 @@ from lightning_gpipe.pipe.batchnorm import (
     revert_deferred_batch_norm,
 )
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
+from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.forward_backward import ScheduleName
 from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch_weights, split
 from lightning_gpipe.pipe.partition import Balance, resolve_balance, solve
 from lightning_gpipe.pipe.rematerialize import is_recomputing
-from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.pipe.stage import GPipeStage
 from lightning_gpipe.pipe.trace import Timeline, gather_events, read_chrome_trace, write_chrome_trace
 from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble

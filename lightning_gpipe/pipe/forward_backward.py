@@ -21,10 +21,10 @@ from typing import Any, Literal, get_args
 import torch
 
 from lightning_gpipe.pipe.batchnorm import check_replicas_run_the_same_m, commit_deferred_batch_norm
+from lightning_gpipe.pipe.executor import Executor, Pairs
 from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_leaves
 from lightning_gpipe.pipe.records import Step
 from lightning_gpipe.pipe.rng import restored_streams
-from lightning_gpipe.pipe.schedule import Pairs, Schedule
 from lightning_gpipe.pipe.schedules import Action, keeps_graph, lookup
 from lightning_gpipe.pipe.simulator import simulate
 
@@ -53,7 +53,7 @@ def rank_actions(schedule: ScheduleName, K: int, M: int) -> tuple[tuple[Action, 
 
 
 def forward_backward(
-    s: Schedule,
+    s: Executor,
     input: Any,
     chunks: int,
     loss_fn: LossFn,

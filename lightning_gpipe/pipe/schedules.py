@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 if TYPE_CHECKING:  # the registry and the simulator need no torch
-    from lightning_gpipe.pipe.schedule import Checkpoint
+    from lightning_gpipe.pipe.executor import Checkpoint
 
 Kind = Literal["F", "B", "I", "W"]
 

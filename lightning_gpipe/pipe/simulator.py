@@ -1,6 +1,6 @@
 """Runs a schedule's action lists on a model of the runtime and of NCCL: validity, deadlocks, timing, peak memory.
 
-What it assumes the runtime does (``forward_backward``, ``Schedule.forward_micro``/``backward_micro``, ``Transport``):
+What it assumes the runtime does (``forward_backward``, ``Executor.forward_micro``/``backward_micro``, ``Transport``):
 
 * Rank r runs its actions in order. Chunk c of rank r is stage s = c·K + r of S = vK: micro-batch m's forward goes
   stage 0 → S − 1 and its backward back; the last stage's B (or I) begins with m's loss, so it needs no receive.
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Literal
 from lightning_gpipe.pipe.schedules import Action, keeps_graph
 
 if TYPE_CHECKING:
-    from lightning_gpipe.pipe.schedule import Checkpoint
+    from lightning_gpipe.pipe.executor import Checkpoint
 
 Layout = Literal["rank-order", "flow", "single", "link"]
 Message = tuple[str, int, int]  # ("activation" | "gradient", micro-batch, the stage that sends it)

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.pipe.buffers import StatefulBuffers
+from lightning_gpipe.pipe.executor import Checkpoint, Executor, validate_checkpoint
 from lightning_gpipe.pipe.failures import FailureHandler
 from lightning_gpipe.pipe.forward_backward import LossFn, ScheduleName, forward_backward, validate_schedule
 from lightning_gpipe.pipe.indexing import LayerIndex, RemoteLayer
@@ -22,7 +23,6 @@ from lightning_gpipe.pipe.microbatch import plan_sizes
 from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, stage_layers
 from lightning_gpipe.pipe.records import OutputMode, Step, validate_output_mode
 from lightning_gpipe.pipe.rng import mix, name_key, reseed
-from lightning_gpipe.pipe.schedule import Checkpoint, Schedule, validate_checkpoint
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
 from lightning_gpipe.pipe.transport import (
@@ -138,7 +138,7 @@ class GPipeStage(nn.Module):
             )
             links = Links(transport, StatusCheck(groups[1], self._index, wait), self._index, self._timeline)
         self._failures = FailureHandler(self._index, self._num_stages, links, self._timeline)
-        self._schedule = Schedule(
+        self._executor = Executor(
             self,
             self._run,
             index=self._index,
@@ -273,11 +273,11 @@ class GPipeStage(nn.Module):
                     "each call's forward phase must be drained by backward() before the next call (batch several "
                     "inputs into one call); reset() drops a forward phase whose backward will not run"
                 )
-            self._step, output = self._schedule.forward(input, self._chunks, self._output_mode)
+            self._step, output = self._executor.forward(input, self._chunks, self._output_mode)
             return output
         self._forward_only_calls += 1
         try:
-            return self._schedule.evaluate(input, self._chunks, self._output_mode)
+            return self._executor.evaluate(input, self._chunks, self._output_mode)
         except Exception:
             if self._failures.broken is not None:
                 self._step = None  # a failed pipeline drains no forward phase
@@ -296,7 +296,7 @@ class GPipeStage(nn.Module):
         step, self._step = self._step, None
         if step is None:
             raise RuntimeError("backward() was called without a forward phase to drain: call the module first")
-        self._schedule.backward(step, grad_output, self._output_mode, drained)
+        self._executor.backward(step, grad_output, self._output_mode, drained)
 
     def forward_backward(
         self,
@@ -325,7 +325,7 @@ class GPipeStage(nn.Module):
                 "forward_backward() was called while a forward phase awaits its backward(): drain it first"
             )
         name = validate_schedule(schedule)
-        return forward_backward(self._schedule, input, self._chunks, loss_fn, name, drained, before_last_backward)
+        return forward_backward(self._executor, input, self._chunks, loss_fn, name, drained, before_last_backward)
 
     def train_step(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
         """:meth:`forward_backward`'s name before 0.1.0 (one letter from Lightning's ``training_step``)."""

@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
+from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
-from lightning_gpipe.pipe.schedule import Checkpoint
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import check_backbone_layers
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit, check_loss

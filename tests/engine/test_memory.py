@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_gpipe.pipe.schedule import is_checkpointed
+from lightning_gpipe.pipe.executor import is_checkpointed
 from lightning_gpipe.pipe.stage import GPipeStage
 from tests.helpers.launch import run_distributed
 from tests.helpers.models import loss_fn, make_input, mlp
@@ -67,7 +67,7 @@ def train_step(stage: GPipeStage, x: torch.Tensor, target: torch.Tensor) -> tupl
     """One pipeline step; returns this stage's gradients and the packs counted during the forward phase only."""
     x = x.clone().requires_grad_()
     out, packs = count_packs(lambda: stage(x))
-    boundary_only(stage, stage._schedule.checkpoint, tuple(x.shape[1:]))
+    boundary_only(stage, stage._executor.checkpoint, tuple(x.shape[1:]))
     if out is not None:
         loss_fn(out, target).backward()
     stage.backward()

@@ -1,4 +1,4 @@
-"""The GPipe schedule: each stage's phases of one mini-batch, run in the fill/drain order drawn here.
+"""The executor: one stage's forward, recompute and backward of a micro-batch, and the fill/drain phases drawn here.
 
 K = 3 stages, M = 4 micro-batches, ``checkpoint="except_last"``; F m = forward of micro-batch m, R m = its
 recompute, B m = its backward, L = the user's loss; time runs to the right, one column per unit of work:
@@ -98,8 +98,9 @@ def _marked_pairs(y: Any, marks: list[bool], grads: list[torch.Tensor]) -> Pairs
     return [(t, g) for t, g in zip(marked, grads) if t.requires_grad]
 
 
-class Schedule:
-    """Runs stage ``index``'s part of each phase drawn above, given the parts of the stage it works with.
+class Executor:
+    """Runs stage ``index``'s part of each phase drawn above (the loss between the phases), and its micro-batch
+    actions for ``forward_backward`` (the loss inside the pipeline), given the parts of the stage it works with.
 
     ``layers`` is the stage's module (its parameters, its BatchNorm layers); ``run`` runs them on a micro-batch;
     ``producer`` names its last layer in boundary errors. ``links`` is None on a stage without peers.
