@@ -29,6 +29,12 @@ class Links:
         """Micro-batch m's input from the previous stage, with its header fields: M, its size n, the step seed."""
         with self.timeline.record("recv-wait", m):
             x, fields = self.transport.recv(self.index - 1, f"micro-batch {m}'s input")
+        if fields["m"] != m:  # gloo matches by order alone: a stage on another schedule would get the wrong data
+            raise RuntimeError(
+                f"stage {self.index} waited for micro-batch {m}'s input and got micro-batch {fields['m']}'s from "
+                f"stage {self.index - 1}: the stages run their micro-batches in different orders (every stage must "
+                "run the same schedule, with the same M)"
+            )
         if fields["training"] != training:
             modes = {True: "a training forward phase (grad enabled)", False: "a forward-only pass (no grad)"}
             raise RuntimeError(

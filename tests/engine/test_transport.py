@@ -228,3 +228,21 @@ def test_gloo_and_nccl_failures_of_a_peer_are_named(text: str, kind: str | None)
         return
     assert isinstance(got, PipelineTimeout) and got.stage == 1, got
     assert ("waited 60 s for micro-batch 3's" if kind == "waited" else "lost its connection to stage 1") in str(got)
+
+
+def test_a_stage_that_gets_another_micro_batch_than_it_waits_for_says_so() -> None:
+    """gloo hands over messages in the order they were sent, whatever the receiver meant: the header's m is checked."""
+    from lightning_gpipe.pipe.links import Links
+    from lightning_gpipe.pipe.trace import Timeline
+
+    class Sent:
+        def __init__(self, m: int) -> None:
+            self.m = m
+
+        def recv(self, src: int, what: str) -> tuple[torch.Tensor, dict[str, Any]]:
+            return torch.zeros(1), {"m": self.m, "M": 4, "n": 1, "training": True, "seed": 0}
+
+    links = Links(Sent(1), None, index=1, timeline=Timeline(1))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="waited for micro-batch 0's input and got micro-batch 1's from stage 0"):
+        links.receive(0, training=True)
+    assert links.receive(1, training=True)[1]["m"] == 1
