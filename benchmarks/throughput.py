@@ -38,14 +38,9 @@ from benchmarks._lib.machine import (
     stats,
     wait_quiet,
 )
+from benchmarks._lib.workloads import PAPER_TABLE2 as PAPER
 from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch
 from lightning_gpipe.pipe import GPipeStage
-
-# GPipe (Huang et al., 2019) Table 2: throughput normalized to K=2, M=1 ({M: {K: value}}).
-PAPER = {
-    "amoebanet": {1: {2: 1.0, 4: 1.13, 8: 1.38}, 4: {2: 1.07, 4: 1.26, 8: 1.72}, 32: {2: 1.21, 4: 1.84, 8: 3.48}},
-    "transformer": {1: {2: 1.0, 4: 1.07, 8: 1.3}, 4: {2: 1.7, 4: 3.2, 8: 4.8}, 32: {2: 1.8, 4: 3.4, 8: 6.3}},
-}
 
 
 # ---------------------------------------------------------------------------------------------------- workers

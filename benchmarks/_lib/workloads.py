@@ -27,6 +27,12 @@ SMOKE_SIZES: dict[str, dict[str, Any]] = {
     "transformer": {"L": 1, "H": 64, "A": 2, "d_model": 32, "vocab": 100, "seq": 8, "batch": 16},
 }
 
+# GPipe (Huang et al., 2019) Table 2: throughput normalized to K=2, M=1 ({M: {K: value}}).
+PAPER_TABLE2 = {
+    "amoebanet": {1: {2: 1.0, 4: 1.13, 8: 1.38}, 4: {2: 1.07, 4: 1.26, 8: 1.72}, 32: {2: 1.21, 4: 1.84, 8: 3.48}},
+    "transformer": {1: {2: 1.0, 4: 1.07, 8: 1.3}, 4: {2: 1.7, 4: 3.2, 8: 4.8}, 32: {2: 1.8, 4: 3.4, 8: 6.3}},
+}
+
 
 def describe(name: str, s: dict[str, Any]) -> str:
     if name == "amoebanet":

@@ -48,7 +48,8 @@ class ScheduleError(ValueError):
 @dataclass(frozen=True)
 class Costs:
     """Time units of each action on one chunk; R: the recompute before a backward whose graph was not kept;
-    transfer: from a send and its receive both running to both completing."""
+    transfer: from a send and its receive both running to both completing; grad_transfer: the same for the chunk's
+    input gradient, sent back (None: ``transfer``; the two differ where the stage's input and output do)."""
 
     F: float = 1.0
     B: float = 2.0
@@ -56,6 +57,7 @@ class Costs:
     W: float = 1.0
     R: float = 0.0
     transfer: float = 0.0
+    grad_transfer: float | None = None
 
 
 @dataclass
@@ -172,7 +174,9 @@ class _Run:
                 f"{_describe(send.message)} on the {send.comm} communicator: a rank's n-th send to a peer meets the "
                 "peer's n-th receive from it, so both ends must post their transfers in the same order"
             )
-        end = start + self.cost(send.rank, send.message[2] // self.K).transfer
+        cost = self.cost(send.rank, send.message[2] // self.K)
+        back = cost.grad_transfer if send.message[0] == "gradient" else None
+        end = start + (cost.transfer if back is None else back)
         self.arrived[recv.message] = end
         self.sent[send.rank] = max(self.sent[send.rank], end)
         return end

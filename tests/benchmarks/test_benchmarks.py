@@ -37,6 +37,7 @@ SMOKE_RUNS = [
     "input_pipeline",
     "dp_hierarchy",
     "dp_cost_model",
+    "schedules",
 ]
 
 
