@@ -2,17 +2,17 @@
 
 # What it does, per model (throughput.py's small AmoebaNet-D and Transformer, _lib/workloads.py):
 # 1. Costs on this machine, in this process (1 thread): each layer's forward (without and under grad), backward,
-#    input-gradient half, RMSprop update and output bytes, on one micro-batch; the loss; the engine's own time per
-#    action, from a one-stage pipeline's measured step (_lib/costmodel.py says how each enters the model).
+#    input-gradient half, RMSprop update and output bytes, on one micro-batch; the loss; the engine factor, from a
+#    one-stage pipeline's measured forward_backward (_lib/costmodel.py says how each enters the model).
 # 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs)
 #    time a training step (stage.forward_backward with the loss per micro-batch on the last stage, then RMSprop) for
 #    every schedule the executor runs (pipe.schedules: ``runnable``), by turns, medians of clean steps; the K=2 launch
 #    first fits gloo's latency and bandwidth by ping-pongs. Predicted vs measured, for K > usable cores as well
 #    (labelled oversubscribed; there the prediction also bounds the step by the work spread over the cores).
 # 3. GPipe paper Table 2 at K = --table-k (predicted for every registered schedule, interleaved with v=2): K ∈ {1, 2,
-#    4, K} × M ∈ --table-ms, the same global batch, costs measured per micro-batch size; AmoebaNet-D with 18 normal
-#    cells so that 2 × 8 = 16 stages each get a layer. Writes <out-dir>/schedules.{json,md,png}. From the repo root:
-#    python -m benchmarks.schedules
+#    4, K} × M ∈ --table-ms, the same global batch, costs and the engine factor measured per M; AmoebaNet-D with 18
+#    normal cells so that 2 × 8 = 16 stages each get a layer. Writes <out-dir>/schedules.{json,md,png}. From the repo
+#    root: python -m benchmarks.schedules
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._lib import report
-from benchmarks._lib.costmodel import LayerCosts, Link, action_overhead, echo, fit_link, ping_pong, predict
+from benchmarks._lib.costmodel import LayerCosts, Link, echo, engine_factor, fit_link, ping_pong, predict
 from benchmarks._lib.costmodel import profile_layers as profile
 from benchmarks._lib.machine import Runner, Timing, cpu_snapshot, foreign_load, launch, measure, stats, wait_quiet
 from benchmarks._lib.workloads import (
@@ -79,9 +79,9 @@ def costs_of(name: str, s: dict[str, Any], M: int, args: argparse.Namespace) -> 
 
 
 def one_stage_step(name: str, s: dict[str, Any], M: int, checkpoint: str, steps: int) -> float:
-    """The median training step of a one-stage pipeline in this process: what the engine adds to the layers' costs."""
-    stage = GPipeStage(build(name, s), chunks=M, balance=[len(build(name, s))], checkpoint=checkpoint)  # type: ignore[arg-type]
-    optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
+    """The median forward_backward of a one-stage pipeline in this process: the engine against its layers' costs."""
+    model = build(name, s)
+    stage = GPipeStage(model, chunks=M, balance=[len(model)], checkpoint=checkpoint)  # type: ignore[arg-type]
     x, target = make_batch(name, s)
     per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
     times = []
@@ -89,7 +89,6 @@ def one_stage_step(name: str, s: dict[str, Any], M: int, checkpoint: str, steps:
         stage.zero_grad(set_to_none=True)
         start = time.perf_counter()
         stage.forward_backward(x, per_micro)
-        optimizer.step()
         if i >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -108,11 +107,11 @@ def runner(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, loss: An
 def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """One K (= world): gloo's ping-pong fit (K=2), then every model's runnable schedules by turns."""
     out: dict[str, Any] = {}
-    if job["ping"]:
+    for _ in range(2 if job["ping"] else 0):  # the first round warms the connection up; the second is kept
         if rank == 0:
-            out["ping"] = ping_pong(1, PING_BYTES)
+            out["ping"] = ping_pong(1, PING_BYTES, repeat=15)
         elif rank == 1:
-            echo(0, PING_BYTES)
+            echo(0, PING_BYTES, repeat=15)
         dist.barrier()
     for name, entry in job["models"].items():
         stage = GPipeStage(
@@ -265,12 +264,10 @@ def main() -> None:
     for name in args.models:
         lc, foreign = costs_of(name, sizes[name], M, args)
         one, foreign_one = quietly(partial(one_stage_step, name, sizes[name], M, args.checkpoint, args.steps), args)
-        lc.overhead = action_overhead(lc, one, M, args.checkpoint)
+        lc.engine = engine_factor(lc, one, M, args.checkpoint)
         models[name] = {"describe": describe(name, sizes[name]), "costs": lc, "one_stage_step_ms": one * 1e3}
         models[name]["foreign_cores"] = {"costs": foreign, "one_stage_step": foreign_one}
-        print(
-            f"# {name}: one-stage step {one * 1e3:.1f} ms, overhead per action {lc.overhead * 1e3:.2f} ms", flush=True
-        )
+        print(f"# {name}: one-stage forward_backward {one * 1e3:.1f} ms, engine factor {lc.engine:.3f}", flush=True)
     raw: dict[int, Any] = {}
     link: Link | None = None
     for K in sorted(args.ks):
@@ -309,7 +306,9 @@ def main() -> None:
         costs = {}
         for tm in args.table_ms:
             costs[tm], m["foreign_cores"][f"table costs M={tm}"] = costs_of(name, tsizes[name], tm, args)
-            costs[tm].overhead = m["costs"].overhead
+            run = partial(one_stage_step, name, tsizes[name], tm, args.checkpoint, max(2, args.steps // 2))
+            one, m["foreign_cores"][f"table one-stage M={tm}"] = quietly(run, args)
+            costs[tm].engine = engine_factor(costs[tm], one, tm, args.checkpoint)
         table[name] = table2(name, costs, link, ks, tsizes[name]["batch"])
         models[name]["table_model"] = describe(name, tsizes[name])
         models[name]["table_costs"] = {tm: lc.as_dict() for tm, lc in costs.items()}
@@ -338,9 +337,11 @@ def main() -> None:
         f"{args.repeat}: forward (no grad / under grad), backward, input-gradient half (W = B − I), RMSprop update; "
         "the loss; gloo latency "
         f"{link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes); the "
-        "engine's time per action from a one-stage pipeline's step: "
-        + ", ".join(f"{n} {m['costs'].overhead * 1e3:.2f} ms" for n, m in models.items())
-        + ". Step predicted = max over ranks of (finish in `simulate`, gloo buffered sends) + the rank's update.",
+        "the engine factor (a one-stage pipeline's forward_backward over its layers' costs; it scales every compute "
+        "cost): "
+        + ", ".join(f"{n} {m['costs'].engine:.3f}" for n, m in models.items())
+        + ". Step predicted = the last rank's finish in `simulate` (gloo: buffered sends) + the status all-reduce "
+        "+ the longest update of a rank (`benchmarks/_lib/costmodel.py`).",
         f"- Measured step: `stage.forward_backward(x, loss per micro-batch, schedule=...)` + RMSprop, median of clean "
         f"steps (barriers around), checkpoint={args.checkpoint}, the schedules by turns in the same processes.",
         f"- Rows with K > {cores} usable cores are oversubscribed (stages share cores); 'cores shared' bounds the "

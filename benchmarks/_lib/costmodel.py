@@ -10,8 +10,12 @@
 #      On the last stage B and I begin with the loss of the micro-batch (its forward and backward, measured).
 #   transfer: a gloo send → receive of the stage's output (its header, then each tensor), from a latency + bytes /
 #      bandwidth fit of ping-pongs between two processes (``fit_link``); grad_transfer: its input gradient's.
-#   Every action also pays ``overhead`` seconds: the engine's Python per micro-batch (headers, boundary checks,
-#   RNG seeding, the timeline), measured once as (a one-stage pipeline's step − its layers' costs) / its actions.
+#   The layers are timed as a stage runs them: BatchNorm deferred (normalized per micro-batch through an interception,
+#   statistics accumulated: AmoebaNet's forward_backward takes about 1.4× as long as with plain BatchNorm). What the
+#   engine adds beyond (per-layer reseeding, buffer snapshots, boundary checks, splitting and joining) and what
+#   per-layer timing misses or overstates is one factor, ``engine``, that scales every compute cost: a one-stage
+#   pipeline's measured forward_backward over its layers' costs, measured once per model and M. A factor, not a time
+#   per action: a stage of fewer layers pays proportionally less, as when the model is cut into 16 stages.
 # The step = the last rank's finish in ``simulate`` (gloo's buffered sends: nccl=False), + the status all-reduce that
 # ends forward_backward on every rank at once (2⌈log2 K⌉ latencies), + the longest optimizer update of a rank (RMSprop
 # over its layers' parameters, measured per layer).
@@ -31,6 +35,7 @@ from torch import nn
 
 from lightning_gpipe.pipe import solve
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
+from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
 from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.schedules import keeps_graph, lookup
 from lightning_gpipe.pipe.simulator import Costs, simulate
@@ -51,7 +56,7 @@ class LayerCosts:
     out_bytes: list[list[int]]  # each tensor of the layer's output
     grad_bytes: list[list[int]]  # each tensor of its output that gets a gradient (sent back across a cut)
     loss: float = 0.0  # the last stage's loss: forward and backward, from the model's output
-    overhead: float = 0.0  # per action (F, B, I or W): the engine's own time, see the module's comment
+    engine: float = 1.0  # the engine's time per unit of the layers' (see the module's comment)
 
     def cut_costs(self) -> list[float]:
         """What the balance solver splits: each layer's forward under grad + backward, as ``balance="time"``."""
@@ -94,9 +99,11 @@ def _clock(fn: Any) -> tuple[float, Any]:
 def profile_layers(model: nn.Sequential, sample: Any, loss: Any, *, repeat: int = 5, warmup: int = 1) -> LayerCosts:
     """Time each layer of ``model`` on ``sample`` (one micro-batch), fed through the preceding layers.
 
-    ``loss(output)``: the last stage's loss of the micro-batch. The model's BatchNorm statistics move (profile a copy).
+    ``loss(output)``: the last stage's loss of the micro-batch. Its BatchNorm layers become deferred, as in a stage
+    (``convert_deferred_batch_norm``, in place: profile a copy), timed inside ``deferred_statistics``.
     """
     n = tree_flatten(sample)[0][0].shape[0]
+    convert_deferred_batch_norm(model)  # as a stage runs them: normalized per micro-batch, statistics accumulated
     medians: dict[str, list[float]] = {k: [] for k in ("forward", "recompute", "backward", "input_grad", "update")}
     out_bytes: list[list[int]] = []
     grad_bytes: list[list[int]] = []
@@ -106,16 +113,18 @@ def profile_layers(model: nn.Sequential, sample: Any, loss: Any, *, repeat: int 
         optimizer = torch.optim.RMSprop(params, lr=1e-9) if params else None
         times: dict[str, list[float]] = {k: [] for k in medians}
         for run in range(warmup + repeat):
-            with torch.no_grad():
+            with torch.no_grad(), deferred_statistics():
                 t_f, _ = _clock(lambda: layer(tree_map(_leaf, x)))  # noqa: B023
             inputs = tree_map(_leaf, x)
-            t_r, out = _clock(lambda: layer(inputs))  # noqa: B023
+            with deferred_statistics():
+                t_r, out = _clock(lambda: layer(inputs))  # noqa: B023
             outs = _grad_outputs(out)
             grads = [torch.ones_like(t) for t in outs]
             t_b, _ = _clock(lambda: torch.autograd.backward(outs, grads) if outs else None)  # noqa: B023
             inputs = tree_map(_leaf, x)
             leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            outs = _grad_outputs(layer(inputs))
+            with deferred_statistics():
+                outs = _grad_outputs(layer(inputs))
             t_i = 0.0
             if outs and leaves:
                 t_i, _ = _clock(lambda: torch.autograd.grad(outs, leaves, grads, allow_unused=True))  # noqa: B023
@@ -210,15 +219,15 @@ def stage_costs(lc: LayerCosts, link: Link, layers: range, *, last: bool, first:
     def total(values: list[float]) -> float:
         return sum(values[i] for i in layers)
 
-    F = keep * total(lc.recompute) + (1 - keep) * total(lc.forward) + lc.overhead
-    B = total(lc.backward) + (lc.loss if last else 0.0)
-    I = total(lc.input_grad) + (lc.loss if last else 0.0)  # noqa: E741 (the zero-bubble paper's name)
+    e = lc.engine
+    F = e * (keep * total(lc.recompute) + (1 - keep) * total(lc.forward))
+    B = e * (total(lc.backward) + (lc.loss if last else 0.0))
+    I = e * (total(lc.input_grad) + (lc.loss if last else 0.0))  # noqa: E741 (the zero-bubble paper's name)
     W = max(B - I, 0.0)
     out = link.time(lc.out_bytes[layers[-1]]) if not last else 0.0
     back = link.time(lc.grad_bytes[layers[0] - 1]) if not first else 0.0
-    R = total(lc.recompute)
-    o = lc.overhead
-    return Costs(F=F, B=B + o, I=I + o, W=W + o, R=R, transfer=out, grad_transfer=back)
+    R = e * total(lc.recompute)
+    return Costs(F=F, B=B, I=I, W=W, R=R, transfer=out, grad_transfer=back)
 
 
 def predict(
@@ -273,9 +282,7 @@ def predict(
     )
 
 
-def action_overhead(lc: LayerCosts, measured_step: float, M: int, checkpoint: Checkpoint = "except_last") -> float:
-    """Per action, what a one-stage pipeline's measured step spends beyond its layers' costs (≥ 0)."""
-    bare = LayerCosts(**{**lc.as_dict(), "overhead": 0.0})
-    link = Link(0.0, float("inf"))
-    predicted = predict(bare, link, "gpipe", 1, M, checkpoint=checkpoint).step
-    return max(measured_step - predicted, 0.0) / (2 * M)
+def engine_factor(lc: LayerCosts, measured: float, M: int, checkpoint: Checkpoint = "except_last") -> float:
+    """A one-stage pipeline's measured forward_backward over M micro-batches, per unit of its layers' costs."""
+    bare = LayerCosts(**{**lc.as_dict(), "engine": 1.0})
+    return measured / predict(bare, Link(0.0, float("inf")), "gpipe", 1, M, checkpoint=checkpoint).makespan

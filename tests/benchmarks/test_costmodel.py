@@ -56,3 +56,11 @@ def test_fit_link_recovers_latency_and_bandwidth() -> None:
     link = fit_link([(b, 2e-4 + b / 2e9) for b in (64, 1 << 16, 1 << 20, 1 << 22)])
     assert link.latency == pytest.approx(2e-4)
     assert link.bandwidth == pytest.approx(2e9)
+
+
+def test_the_engine_factor_scales_compute_not_transfers() -> None:
+    no_link = Link(latency=0.0, bandwidth=float("inf"))
+    plain = predict(LAYERS, no_link, "gpipe", 2, 2, checkpoint="except_last")
+    scaled = predict(LayerCosts(**{**LAYERS.as_dict(), "engine": 2.0}), no_link, "gpipe", 2, 2)
+    assert scaled.makespan == pytest.approx(2 * plain.makespan)
+    assert scaled.step - scaled.makespan == pytest.approx(0.25)  # the update is measured as the optimizer runs it
