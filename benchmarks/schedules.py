@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._lib import report
-from benchmarks._lib.costmodel import LayerCosts, Link, echo, engine_factor, fit_link, ping_pong, predict
+from benchmarks._lib.costmodel import LayerCosts, Link, corun_factor, echo, engine_factor, fit_link, ping_pong, predict
 from benchmarks._lib.costmodel import profile_layers as profile
 from benchmarks._lib.machine import Runner, Timing, cpu_snapshot, foreign_load, launch, measure, stats, wait_quiet
 from benchmarks._lib.workloads import (
@@ -42,6 +42,7 @@ from benchmarks._lib.workloads import (
     per_micro_batch,
 )
 from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
 from lightning_gpipe.pipe.schedules import SCHEDULES
 
 RUNNABLE = [name for name, spec in SCHEDULES.items() if spec.runnable]
@@ -95,6 +96,18 @@ def one_stage_step(name: str, s: dict[str, Any], M: int, checkpoint: str, steps:
 
 
 # ---------------------------------------------------------------------------------------------------- workers
+def micro_batch_step(name: str, s: dict[str, Any], M: int) -> Callable[[], None]:
+    """Forward, loss and backward of one micro-batch through the whole model, BatchNorm deferred as in a stage."""
+    model = convert_deferred_batch_norm(build(name, s))
+    x, target = make_batch(name, s, s["batch"] // M)
+
+    def step() -> None:
+        with deferred_statistics():
+            loss_fn(model(x), target).backward()
+
+    return step
+
+
 def train_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, loss: Any, schedule: str) -> None:
     stage.forward_backward(x if stage.is_first else None, loss, schedule=schedule)  # type: ignore[arg-type]
     optimizer.step()
@@ -113,6 +126,8 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         elif rank == 1:
             echo(0, PING_BYTES, repeat=15)
         dist.barrier()
+    for name, entry in job["models"].items() if job["ping"] else ():
+        out.setdefault("corun", {})[name] = corun_factor(micro_batch_step(name, entry["sizes"], job["M"]))
     for name, entry in job["models"].items():
         stage = GPipeStage(
             build(name, entry["sizes"]), chunks=job["M"], balance=entry["balance"], checkpoint=job["checkpoint"]
@@ -276,7 +291,10 @@ def main() -> None:
         entries = {n: {"sizes": sizes[n], "balance": balances[n]} for n in models}
         job = {"M": M, "timing": timing, "checkpoint": args.checkpoint, "models": entries, "ping": link is None}
         raw[K] = launch(run_job, K, job)
-        link = link or fit_link([tuple(x) for x in raw[K]["ping"]])
+        if link is None:
+            link = fit_link([tuple(x) for x in raw[K]["ping"]])
+            for n, m in models.items():
+                m["costs"].corun = raw[K]["corun"][n]
     assert link is not None, "--ks names at least one K"
     validation = []
     for K in sorted(args.ks):
@@ -309,6 +327,7 @@ def main() -> None:
             run = partial(one_stage_step, name, tsizes[name], tm, args.checkpoint, max(2, args.steps // 2))
             one, m["foreign_cores"][f"table one-stage M={tm}"] = quietly(run, args)
             costs[tm].engine = engine_factor(costs[tm], one, tm, args.checkpoint)
+            costs[tm].corun = m["costs"].corun
         table[name] = table2(name, costs, link, ks, tsizes[name]["batch"])
         models[name]["table_model"] = describe(name, tsizes[name])
         models[name]["table_costs"] = {tm: lc.as_dict() for tm, lc in costs.items()}
@@ -336,10 +355,13 @@ def main() -> None:
         "- Costs per layer, measured in one process (1 thread), medians of "
         f"{args.repeat}: forward (no grad / under grad), backward, input-gradient half (W = B − I), RMSprop update; "
         "the loss; gloo latency "
-        f"{link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes); the "
+        f"{link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes); "
         "the engine factor (a one-stage pipeline's forward_backward over its layers' costs; it scales every compute "
         "cost): "
         + ", ".join(f"{n} {m['costs'].engine:.3f}" for n, m in models.items())
+        + "; with K ≥ 2, the co-run factor (a rank's compute while the other computes too, over alone; measured in "
+        "the K=2 launch): "
+        + ", ".join(f"{n} {m['costs'].corun:.3f}" for n, m in models.items())
         + ". Step predicted = the last rank's finish in `simulate` (gloo: buffered sends) + the status all-reduce "
         "+ the longest update of a rank (`benchmarks/_lib/costmodel.py`).",
         f"- Measured step: `stage.forward_backward(x, loss per micro-batch, schedule=...)` + RMSprop, median of clean "

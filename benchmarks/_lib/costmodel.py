@@ -16,6 +16,9 @@
 #   per-layer timing misses or overstates is one factor, ``engine``, that scales every compute cost: a one-stage
 #   pipeline's measured forward_backward over its layers' costs, measured once per model and M. A factor, not a time
 #   per action: a stage of fewer layers pays proportionally less, as when the model is cut into 16 stages.
+#   With K ≥ 2 every compute cost (and the update) is also scaled by ``corun``: ranks computing at once share the
+#   memory system, and gloo's copies run on the same cores; measured in the K=2 launch (``corun_factor``), each rank
+#   timing one micro-batch of the model alone, then both at once.
 # The step = the last rank's finish in ``simulate`` (gloo's buffered sends: nccl=False), + the status all-reduce that
 # ends forward_backward on every rank at once (2⌈log2 K⌉ latencies), + the longest optimizer update of a rank (RMSprop
 # over its layers' parameters, measured per layer).
@@ -57,6 +60,7 @@ class LayerCosts:
     grad_bytes: list[list[int]]  # each tensor of its output that gets a gradient (sent back across a cut)
     loss: float = 0.0  # the last stage's loss: forward and backward, from the model's output
     engine: float = 1.0  # the engine's time per unit of the layers' (see the module's comment)
+    corun: float = 1.0  # with K ≥ 2: a rank's compute time while the others compute too, per unit of its time alone
 
     def cut_costs(self) -> list[float]:
         """What the balance solver splits: each layer's forward under grad + backward, as ``balance="time"``."""
@@ -213,13 +217,15 @@ class Prediction:
         return max(self.step, self.work / min(cores, self.K))
 
 
-def stage_costs(lc: LayerCosts, link: Link, layers: range, *, last: bool, first: bool, keep: float) -> Costs:
+def stage_costs(
+    lc: LayerCosts, link: Link, layers: range, *, last: bool, first: bool, keep: float, corun: float = 1.0
+) -> Costs:
     """One stage's Costs from its layers; ``keep``: the share of its micro-batches whose graph is kept."""
 
     def total(values: list[float]) -> float:
         return sum(values[i] for i in layers)
 
-    e = lc.engine
+    e = lc.engine * corun
     F = e * (keep * total(lc.recompute) + (1 - keep) * total(lc.forward))
     B = e * (total(lc.backward) + (lc.loss if last else 0.0))
     I = e * (total(lc.input_grad) + (lc.loss if last else 0.0))  # noqa: E741 (the zero-bubble paper's name)
@@ -249,14 +255,17 @@ def predict(
         raise ValueError(f"balance {counts} must split {len(lc.forward)} layers into {S} stages")
     actions = lookup(schedule).actions(K, M, v)
     bounds = [sum(counts[:s]) for s in range(S + 1)]
+    corun = lc.corun if K > 1 else 1.0
     table: dict[tuple[int, int], Costs] = {}
     for s in range(S):
         r, c = s % K, s // K
         kept = sum(keeps_graph(checkpoint, actions[r], m, c) for m in range(M)) / M
         layers = range(bounds[s], bounds[s + 1])
-        table[r, c] = stage_costs(lc, link, layers, last=s == S - 1, first=s == 0, keep=kept)
+        table[r, c] = stage_costs(lc, link, layers, last=s == S - 1, first=s == 0, keep=kept, corun=corun)
     result = simulate(actions, K, v, table, nccl=nccl, checkpoint=checkpoint)
-    update = [sum(lc.update[i] for s in range(r, S, K) for i in range(bounds[s], bounds[s + 1])) for r in range(K)]
+    update = [
+        corun * sum(lc.update[i] for s in range(r, S, K) for i in range(bounds[s], bounds[s + 1])) for r in range(K)
+    ]
     # Every rank leaves forward_backward at once: its status check is an all-reduce over the stages.
     status = 2 * math.ceil(math.log2(K)) * link.latency
     step = result.makespan + status + max(update)
@@ -286,3 +295,22 @@ def engine_factor(lc: LayerCosts, measured: float, M: int, checkpoint: Checkpoin
     """A one-stage pipeline's measured forward_backward over M micro-batches, per unit of its layers' costs."""
     bare = LayerCosts(**{**lc.as_dict(), "engine": 1.0})
     return measured / predict(bare, Link(0.0, float("inf")), "gpipe", 1, M, checkpoint=checkpoint).makespan
+
+
+def corun_factor(step: Any, repeat: int = 5) -> float:
+    """A collective: ``step()``'s median time with every rank running it at once, over its time alone (rank by rank,
+    the others waiting in a barrier, which uses no CPU); the mean over ranks, on every rank."""
+
+    def median_of() -> float:
+        times = [_clock(step)[0] for _ in range(repeat + 1)]
+        return statistics.median(times[1:])
+
+    alone = 0.0
+    for r in range(dist.get_world_size()):
+        dist.barrier()
+        if r == dist.get_rank():
+            alone = median_of()
+    dist.barrier()
+    ratio = torch.tensor([median_of() / alone], dtype=torch.float64)
+    dist.all_reduce(ratio)
+    return float(ratio) / dist.get_world_size()
