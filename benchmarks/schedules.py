@@ -223,12 +223,13 @@ def plot(data: dict) -> Any:
     fig, axes = report.subplots(1, 1 + len(models), figsize=(5.2 * (1 + len(models)), 4.4))
     ax = axes[0][0]
     rows = [r for r in data["validation"] if r.get("measured_ms")]
-    top = max([r["measured_ms"] for r in rows] + [r["predicted_ms"] for r in rows] + [1.0]) * 1.1
+    top = max([r[k] for r in rows for k in ("measured_ms", "predicted_ms", "predicted_on_cores_ms")] + [1.0]) * 1.1
     ax.fill_between([0, top], [0, top * (1 - TOLERANCE)], [0, top * (1 + TOLERANCE)], color="0.9", label="±10 %")
     for i, r in enumerate(rows):
-        marker = "o" if r["K"] <= data["usable_cores"] else "x"
-        label = f"{r['model']} K={r['K']} {r['schedule']}" + (" (oversubscribed)" if marker == "x" else "")
-        ax.scatter(r["measured_ms"], r["predicted_ms"], marker=marker, color=f"C{i % 10}", label=label)
+        over = r["K"] > data["usable_cores"]  # the prediction with the cores shared: max(step, work / cores)
+        label = f"{r['model']} K={r['K']} {r['schedule']}" + (" (oversubscribed, cores shared)" if over else "")
+        y = r["predicted_on_cores_ms"] if over else r["predicted_ms"]
+        ax.scatter(r["measured_ms"], y, marker="x" if over else "o", color=f"C{i % 10}", label=label)
     ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured step (ms)", ylabel="predicted step (ms)")
     ax.set_title("predicted vs measured", fontsize=10)
     ax.legend(fontsize=6, loc="upper left")
