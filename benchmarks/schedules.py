@@ -30,7 +30,17 @@ import torch.distributed as dist
 from benchmarks._lib import report
 from benchmarks._lib.costmodel import LayerCosts, Link, corun_factor, echo, engine_factor, fit_link, ping_pong, predict
 from benchmarks._lib.costmodel import profile_layers as profile
-from benchmarks._lib.machine import Runner, Timing, cpu_snapshot, foreign_load, launch, measure, stats, wait_quiet
+from benchmarks._lib.machine import (
+    Runner,
+    Timing,
+    background_load,
+    cpu_snapshot,
+    foreign_load,
+    launch,
+    measure,
+    stats,
+    wait_quiet,
+)
 from benchmarks._lib.workloads import (
     PAPER_TABLE2,
     SIZES,
@@ -39,10 +49,10 @@ from benchmarks._lib.workloads import (
     describe,
     loss_fn,
     make_batch,
+    micro_batch_step,
     per_micro_batch,
 )
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
 from lightning_gpipe.pipe.schedules import SCHEDULES
 
 RUNNABLE = [name for name, spec in SCHEDULES.items() if spec.runnable]
@@ -96,18 +106,6 @@ def one_stage_step(name: str, s: dict[str, Any], M: int, checkpoint: str, steps:
 
 
 # ---------------------------------------------------------------------------------------------------- workers
-def micro_batch_step(name: str, s: dict[str, Any], M: int) -> Callable[[], None]:
-    """Forward, loss and backward of one micro-batch through the whole model, BatchNorm deferred as in a stage."""
-    model = convert_deferred_batch_norm(build(name, s))
-    x, target = make_batch(name, s, s["batch"] // M)
-
-    def step() -> None:
-        with deferred_statistics():
-            loss_fn(model(x), target).backward()
-
-    return step
-
-
 def train_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, loss: Any, schedule: str) -> None:
     stage.forward_backward(x if stage.is_first else None, loss, schedule=schedule)  # type: ignore[arg-type]
     optimizer.step()
@@ -271,7 +269,7 @@ def main() -> None:
         args.ks, args.steps, args.max_steps, args.warmup, args.wait_quiet = [2], 2, 2, 1, 0.0
         args.micro_batches, args.table_k, args.table_ms, args.repeat = 4, 4, [4], 3
     torch.set_num_threads(1)
-    t_start = time.perf_counter()
+    t_start, load_before, snapshot = time.perf_counter(), os.getloadavg(), cpu_snapshot()
     sizes = SMOKE_SIZES if args.smoke else SIZES
     cores = len(os.sched_getaffinity(0))
     M = args.micro_batches
@@ -333,6 +331,7 @@ def main() -> None:
         models[name]["table_model"] = describe(name, tsizes[name])
         models[name]["table_costs"] = {tm: lc.as_dict() for tm, lc in costs.items()}
     total = time.perf_counter() - t_start
+    load, load_line = background_load(snapshot, load_before)
     env = report.environment(threads_per_process=1, processes="one per stage (K), gloo on 127.0.0.1")
     machine = report.machine_label(env)
     data = {
@@ -347,12 +346,14 @@ def main() -> None:
         "table2": table,
         "predicted_from": f"costs measured on {machine}",
         "total_s": total,
+        "machine_check": load,
     }
     md = [
         "# Schedules by the simulator as a cost model (predicted vs measured; GPipe Table 2, predicted)",
         "",
         *report.environment_lines(env),
         f"- Command: `{data['command']}`; total {total:.0f} s",
+        f"- {load_line.removeprefix('# ')}; per measurement: `models.<name>.foreign_cores` in the JSON",
         "- Costs per layer, measured in one process (1 thread), medians of "
         f"{args.repeat}: forward (no grad / under grad), backward, input-gradient half (W = B − I), RMSprop update; "
         "the loss; gloo latency "

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_gpipe.models import amoebanet_d, transformer_nmt
 from lightning_gpipe.pipe import GPipeStage, solve
+from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
 from lightning_gpipe.pipe.partition import costs_by_time, resolve_balance
 
 SEED, PAD, BOS = 0, 0, 1
@@ -80,6 +81,18 @@ def per_micro_batch(
     whole batch's mean (exact for a mean over samples, and for the token means here: no target token is padding)."""
     targets, total = target.split(sizes), sum(sizes)
     return lambda y, m: loss(y, targets[m]) * (sizes[m] / total)
+
+
+def micro_batch_step(name: str, s: dict[str, Any], M: int) -> Callable[[], None]:
+    """Forward, loss and backward of one micro-batch through the whole model, BatchNorm deferred as in a stage."""
+    model = convert_deferred_batch_norm(build(name, s))
+    x, target = make_batch(name, s, s["batch"] // M)
+
+    def step() -> None:
+        with deferred_statistics():
+            loss_fn(model(x), target).backward()
+
+    return step
 
 
 def balances(name: str, s: dict[str, Any], ks: list[int], how: str) -> dict[str, Any]:
