@@ -36,14 +36,24 @@ from tests.helpers.parity import (
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_op_lists_run_every_micro_batch_once_and_bound_what_is_in_flight(schedule: str, K: int, M: int) -> None:
     actions = rank_actions(schedule, K, M)  # type: ignore[arg-type]
+    backward = ("I", "W") if schedule == "zb-h1" else ("B",)
     for k, ops in enumerate(actions):
-        assert sorted(ops) == sorted([Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)])
-        assert [m for kind, m, _ in ops if kind == "F"] == list(range(M))
-        assert [m for kind, m, _ in ops if kind == "B"] == list(range(M))
+        assert sorted(ops) == sorted(Action(kind, m) for kind in ("F", *backward) for m in range(M))
+        for kind in ("F", *backward):
+            assert [m for a, m, _ in ops if a == kind] == list(range(M))
+        # Each W after its I, the last action a W (before_last_backward runs before it).
+        assert all(ops.index(Action("W", m)) > ops.index(Action("I", m)) for m in range(M) if "W" in backward)
+        assert ops[-1].kind == backward[-1]
         expected = min(M, K - k) if schedule == "1f1b" or k == K - 1 else M
         if schedule == "gpipe" and k == K - 1:
             expected = 1
+        if schedule == "zb-h1":  # rank k keeps k more micro-batches until their W
+            expected = min(M, K)
         assert simulate(actions, K).peak[k] == expected, (k, ops)
+    if schedule == "zb-h1":  # ZB-H1 (F = I = W = 1, B = 2): 3M + K − 1 units where 1F1B takes 3(M + K − 1)
+        makespan = simulate(actions, K, nccl=False).makespan
+        assert makespan == 3 * M + K - 1 if M >= K else makespan <= 3 * (M + K - 1)
+        return
     # 2(M + K − 1) units with unit costs: GPipe's bubble, no more.
     assert simulate(actions, K, costs=Costs(B=1), nccl=False).makespan == 2 * (M + K - 1)
 
@@ -52,7 +62,7 @@ def test_the_executor_runs_the_registrys_runnable_schedules() -> None:
     assert SCHEDULES == tuple(name for name, spec in REGISTRY.items() if spec.runnable)
     for name in REGISTRY:
         if name not in SCHEDULES:
-            with pytest.raises(ValueError, match=re.escape(f"schedule={name!r} is not one of ['gpipe', '1f1b']")):
+            with pytest.raises(ValueError, match=re.escape(f"schedule={name!r} is not one of ['gpipe', '1f1b', 'zb-h1']")):
                 validate_schedule(name)
 
 
@@ -131,8 +141,9 @@ def run_case(kind: str, M: int, mode: str, schedule: str, balance: list[int], lo
 
 CASES = [
     (kind, M, mode, schedule, loss)
-    for kind, M, mode, schedule in itertools.product(models.MODELS, MICRO, MODES, ("gpipe", "1f1b"))
+    for kind, M, mode, schedule in itertools.product(models.MODELS, MICRO, MODES, SCHEDULES)
     for loss in (("mean", "tokens") if kind == "cells" else ("mean",))
+    if schedule != "zb-h1" or mode != "never"  # its I keeps what "never" keeps: "except_last" on the last stage
 ]
 
 
@@ -144,15 +155,16 @@ def parity_worker(rank: int, world_size: int) -> list[tuple[tuple, dict[str, flo
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 @pytest.mark.timeout(400)
 def test_loss_in_the_pipeline_equals_plain_model(K: int) -> None:
-    """Both schedules, K stages, M ∈ {1, 2, 4, 8} (M < K too), every re-materialization mode, uneven and too-small
-    batches, changing shapes, a mean over samples and a mean over tokens (weights n_m/N and tokens_m/tokens)."""
+    """Every runnable schedule, K stages, M ∈ {1, 2, 4, 8} (M < K too), every re-materialization mode, uneven and
+    too-small batches, changing shapes, a mean over samples and a mean over tokens (weights n_m/N and tokens_m/tokens);
+    zb-h1's weight gradients of Linear and Embedding deferred to W."""
     checked = check_cases(run_distributed(parity_worker, K, timeout=380))
     counts = {kind: len(list(make().parameters())) for kind, make in models.MODELS.items()}
     assert checked == sum(counts[case[0]] for case in CASES) * 3
 
 
 def batchnorm_worker(rank: int, world_size: int, schedule: str) -> dict[str, float]:
-    """Deferred BatchNorm under both schedules: micro-batch normalization, mini-batch statistics committed once."""
+    """Deferred BatchNorm under each schedule: micro-batch normalization, mini-batch statistics committed once."""
     torch.manual_seed(0)
     model = models.with_bn()
     ref = copy.deepcopy(model)
@@ -185,9 +197,9 @@ def batchnorm_worker(rank: int, world_size: int, schedule: str) -> dict[str, flo
     return errs
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(120)
-def test_deferred_batchnorm_under_both_schedules(schedule: str) -> None:
+def test_deferred_batchnorm_under_every_schedule(schedule: str) -> None:
     for rank, errs in enumerate(run_distributed(batchnorm_worker, 2, schedule, timeout=100)):
         assert all(v <= TOL for v in errs.values()), (rank, errs)
 

@@ -1,0 +1,241 @@
+"""Zero-bubble's split backward: the weight gradients of linear, convolution and embedding ops deferred to a W action.
+
+As Megatron-LM's and DualPipe's ``WeightGradStore``: while a micro-batch of a split schedule ("zb-h1") runs forward
+(or is recomputed), a torch-function mode routes ``F.linear``, ``F.conv1d/2d/3d`` and ``F.embedding`` whose weight is
+a trainable leaf through an autograd function of the same op. Its backward (in I, the input-gradient half) computes
+the input gradient only, and keeps (input, output gradient) in a closure for micro-batch m; W m runs m's closures
+with the formulas autograd uses and accumulates the results with ``torch.autograd.backward`` on the parameters
+themselves, so that ``.grad`` sums exactly as autograd sums it and the parameters' hooks fire once, at W. No module
+is swapped: the layers run their own forward. Every other parameter (norms, custom ones) gets its gradient in I.
+
+Under autocast the op's arguments are cast as autocast casts them (linear and convolutions run in its lower
+precision), and the deferred matmuls use those casts, as autograd's would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# One deferred weight gradient: computes (parameter, its gradient) pairs when W runs.
+Closure = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
+_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+
+
+def _trainable_leaf(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and t.layout == torch.strided
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts linear and convolutions to on ``device_type``, or None when it is off there."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """As autocast's ``cached_cast``: floating tensors other than float64 to ``dtype``, keeping ``requires_grad``
+    (some kernels are chosen by it: ``matmul`` folds a 3-d input into one mm when the weight requires grad)."""
+    if t is None or dtype is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    with torch.enable_grad():
+        return t.to(dtype)
+
+
+def _as_list(v: Any, d: int) -> list[int]:
+    return [int(i) for i in v] if isinstance(v, (tuple, list)) else [int(v)] * d
+
+
+def _no_autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type, enabled=False) if dtype is not None else contextlib.nullcontext()
+
+
+# The autograd functions below take the op's input and an ``anchor`` as tensors, the parameters inside ``info``:
+# autograd never reaches a parameter through them (its hooks would fire with None in I), while the forward runs the
+# op on the parameters themselves, grad off, so that it picks the kernels the plain forward picks. They return the
+# input gradient and append a closure computing the weight gradients, with the formulas of autograd's own backward,
+# to micro-batch m's list.
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, info: Any) -> torch.Tensor:  # type: ignore[override]
+        (weight, bias), sink, dtype = info
+        xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+        with _no_autocast(x.device.type, dtype):
+            y = F.linear(xc, wc, bc)
+        ctx.save_for_backward(xc.detach(), wc.detach())
+        ctx.info, ctx.x_dtype = info, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        xc, wc = ctx.saved_tensors
+        (weight, bias), sink, dtype = ctx.info
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = None
+        if ctx.needs_input_grad[0]:
+            # mm's backward for the input, the matrix of a row-major input
+            gx = g2.mm(wc).view(xc.shape).to(ctx.x_dtype)
+        x2 = xc.reshape(-1, xc.shape[-1])
+
+        def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            # mm's backward for weight.t() (a column-major matrix), transposed back: gᵀ·x, row-major
+            out = [(weight, g2.t().mm(x2))]
+            if bias is not None:
+                out.append((bias, g2.sum(0)))
+            return out
+
+        sink.append(closure)
+        return gx, None, None
+
+
+class _Conv(torch.autograd.Function):
+    """F.conv1d, F.conv2d, F.conv3d: both halves from ``convolution_backward`` (autograd's formula), masked."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, info: Any) -> torch.Tensor:  # type: ignore[override]
+        (weight, bias), sink, dtype, fn, geometry = info
+        xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+        with _no_autocast(x.device.type, dtype):
+            y = fn(xc, wc, bc, *geometry)
+        ctx.save_for_backward(xc.detach(), wc.detach())
+        ctx.info, ctx.x_dtype = info, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        xc, wc = ctx.saved_tensors
+        (weight, bias), sink, _, _, (stride, padding, dilation, groups) = ctx.info
+        d = wc.dim() - 2
+        geometry = (_as_list(stride, d), _as_list(padding, d), _as_list(dilation, d), False, [0] * d, int(groups))
+        bias_sizes = None if bias is None else [wc.shape[0]]
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.ops.aten.convolution_backward(g, xc, wc, bias_sizes, *geometry, [True, False, False])[0]
+            gx = gx.to(ctx.x_dtype)
+
+        def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            mask = [False, True, bias is not None]
+            _, gw, gb = torch.ops.aten.convolution_backward(g, xc, wc, bias_sizes, *geometry, mask)
+            return [(weight, gw)] + ([(bias, gb)] if bias is not None else [])
+
+        sink.append(closure)
+        return gx, None, None
+
+
+class _Embedding(torch.autograd.Function):
+    """F.embedding (dense, no max_norm): its whole backward is the weight's, so all of it waits for W."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, anchor: torch.Tensor, info: Any) -> torch.Tensor:  # type: ignore[override]
+        weight, _, padding_idx, scale = info
+        ctx.save_for_backward(ids)
+        ctx.info = info
+        return torch.embedding(weight, ids, padding_idx, scale, False)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+        (ids,) = ctx.saved_tensors
+        weight, sink, padding_idx, scale = ctx.info
+
+        def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [(weight, torch.ops.aten.embedding_backward(g, ids, weight.shape[0], padding_idx, scale, False))]
+
+        sink.append(closure)
+        return None, None, None
+
+
+def _bind(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) -> list[Any]:
+    """The values of ``names`` from a call's ``args`` and ``kwargs``; ``defaults`` for the last names."""
+    values = [*args, *[*[None] * (len(names) - len(defaults)), *defaults][len(args) :]]
+    for i, name in enumerate(names):
+        if name in kwargs:
+            values[i] = kwargs[name]
+    return values[: len(names)]
+
+
+class _Deferring(TorchFunctionMode):
+    """Routes the ops this module splits, while grad is on and their weight is a trainable leaf; the rest as is."""
+
+    def __init__(self, sink: list[Closure]) -> None:
+        super().__init__()
+        self.sink = sink
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+
+    def _anchor(self, x: torch.Tensor, always: bool = False) -> torch.Tensor | None:
+        """A leaf that makes the op's output require grad, as the weight would, where the input does not."""
+        if x.requires_grad and not always:
+            return None
+        if x.device not in self._anchors:
+            self._anchors[x.device] = torch.empty(0, device=x.device, requires_grad=True)
+        return self._anchors[x.device]
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled():
+            if func is F.linear:
+                x, w, b = _bind(args, kwargs, ("input", "weight", "bias"), (None,))
+                if _trainable_leaf(w) and (b is None or _trainable_leaf(b)) and isinstance(x, torch.Tensor):
+                    info = ((w, b), self.sink, _autocast_dtype(x.device.type))
+                    return _Linear.apply(x, self._anchor(x), info)
+            elif func in _CONVS:
+                names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+                x, w, b, *geometry = _bind(args, kwargs, names, (None, 1, 0, 1, 1))
+                if (
+                    _trainable_leaf(w)
+                    and (b is None or _trainable_leaf(b))
+                    and isinstance(x, torch.Tensor)
+                    and x.dim() == w.dim()  # batched input (convolution_backward's shapes)
+                    and not isinstance(geometry[1], str)  # padding="same" pads unevenly outside convolution
+                ):
+                    info = ((w, b), self.sink, _autocast_dtype(x.device.type), func, tuple(geometry))
+                    return _Conv.apply(x, self._anchor(x), info)
+            elif func is F.embedding:
+                names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+                ids, w, padding_idx, max_norm, _, scale, sparse = _bind(
+                    args, kwargs, names, (None, None, 2.0, False, False)
+                )
+                if _trainable_leaf(w) and max_norm is None and not sparse and isinstance(ids, torch.Tensor):
+                    if padding_idx is None:
+                        padding_idx = -1
+                    elif padding_idx < 0:
+                        padding_idx += w.shape[0]  # as F.embedding normalizes it
+                    info = (w, self.sink, padding_idx, bool(scale))
+                    return _Embedding.apply(ids, self._anchor(w, always=True), info)
+        return func(*args, **kwargs)
+
+
+class WeightGrads:
+    """One step's deferred weight gradients, per micro-batch: collected in I, accumulated in W."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, list[Closure]] = {}
+
+    @contextlib.contextmanager
+    def deferring(self, m: int) -> Iterator[None]:
+        """Around micro-batch m's forward and its recompute: the split ops' weight gradients wait for :meth:`run`."""
+        sink: list[Closure] = []
+        self._pending[m] = sink  # a recompute's graph replaces the forward's (whose backward never runs)
+        with _Deferring(sink):
+            yield
+
+    def run(self, m: int) -> None:
+        """W m: micro-batch m's weight gradients into ``.grad``, as autograd accumulates them (hooks included)."""
+        grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for closure in self._pending.pop(m, []):
+            for p, g in closure():
+                # A parameter used twice: its gradients summed in the order autograd's input buffer sums them, in
+                # the dtype autocast computed them in (its cast of a weight is cached: one cast, one sum before it).
+                grads[id(p)] = (p, g) if id(p) not in grads else (p, grads[id(p)][1] + g)
+        if grads:
+            params, values = [p for p, _ in grads.values()], [g.to(p.dtype) for p, g in grads.values()]
+            grads.clear()
+            torch.autograd.backward(params, values)
