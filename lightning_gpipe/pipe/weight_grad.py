@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 # One deferred weight gradient: computes (parameter, its gradient) pairs when W runs.
 Closure = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
-_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_CONVS = (F.conv1d, F.conv2d, F.conv3d)
 
 
 def _trainable_leaf(t: Any) -> bool:
@@ -38,6 +38,10 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
+@overload
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor: ...
+@overload
+def _cast(t: None, dtype: torch.dtype | None) -> None: ...
 def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     """As autocast's ``cached_cast``: floating tensors other than float64 to ``dtype``, keeping ``requires_grad``
     (some kernels are chosen by it: ``matmul`` folds a 3-d input into one mm when the weight requires grad)."""
@@ -62,35 +66,43 @@ def _no_autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.Abst
 # to micro-batch m's list.
 
 
+def _column_major(t: torch.Tensor) -> bool:
+    """As autograd's mm backward tests a matrix, to return its gradient in the same layout."""
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
 class _Linear(torch.autograd.Function):
-    """F.linear."""
+    """F.linear, which aten runs as one mm (addmm) on the input's rows: the halves are mm's backward for each factor,
+    in the layouts autograd's formulas choose (a column-major input gives a column-major gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, info: Any) -> torch.Tensor:  # type: ignore[override]
-        (weight, bias), sink, dtype = info
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, info: Any) -> torch.Tensor:
+        (weight, bias), _, dtype = info
         xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         with _no_autocast(x.device.type, dtype):
             y = F.linear(xc, wc, bc)
         ctx.save_for_backward(xc.detach(), wc.detach())
+        # aten's linear adds the bias inside addmm for a 2-d or contiguous input, else after a matmul: its gradient
+        # is then summed over every leading dimension of the output's, not over the rows of their matrix.
+        ctx.bias_after = xc.dim() > 2 and not xc.is_contiguous()
         ctx.info, ctx.x_dtype = info, x.dtype
         return y
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         xc, wc = ctx.saved_tensors
-        (weight, bias), sink, dtype = ctx.info
-        g2 = g.reshape(-1, g.shape[-1])
+        (weight, bias), sink, _ = ctx.info
+        x2, g2, wt = xc.reshape(-1, xc.shape[-1]), g.reshape(-1, g.shape[-1]), wc.t()
         gx = None
         if ctx.needs_input_grad[0]:
-            # mm's backward for the input, the matrix of a row-major input
-            gx = g2.mm(wc).view(xc.shape).to(ctx.x_dtype)
-        x2 = xc.reshape(-1, xc.shape[-1])
+            gx2 = wt.mm(g2.t()).t() if _column_major(x2) else g2.mm(wt.t())
+            gx = gx2.reshape(xc.shape).to(ctx.x_dtype)
+        bias_after = ctx.bias_after
 
         def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
-            # mm's backward for weight.t() (a column-major matrix), transposed back: gᵀ·x, row-major
-            out = [(weight, g2.t().mm(x2))]
+            out = [(weight, g2.t().mm(x2) if _column_major(wt) else x2.t().mm(g2).t())]
             if bias is not None:
-                out.append((bias, g2.sum(0)))
+                out.append((bias, (g if bias_after else g2).sum(list(range(g.dim() - 1 if bias_after else 1)))))
             return out
 
         sink.append(closure)
@@ -101,8 +113,8 @@ class _Conv(torch.autograd.Function):
     """F.conv1d, F.conv2d, F.conv3d: both halves from ``convolution_backward`` (autograd's formula), masked."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, info: Any) -> torch.Tensor:  # type: ignore[override]
-        (weight, bias), sink, dtype, fn, geometry = info
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None, info: Any) -> torch.Tensor:
+        (weight, bias), _, dtype, fn, geometry = info
         xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         with _no_autocast(x.device.type, dtype):
             y = fn(xc, wc, bc, *geometry)
@@ -111,7 +123,7 @@ class _Conv(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         xc, wc = ctx.saved_tensors
         (weight, bias), sink, _, _, (stride, padding, dilation, groups) = ctx.info
         d = wc.dim() - 2
@@ -135,14 +147,14 @@ class _Embedding(torch.autograd.Function):
     """F.embedding (dense, no max_norm): its whole backward is the weight's, so all of it waits for W."""
 
     @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, anchor: torch.Tensor, info: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, ids: torch.Tensor, anchor: torch.Tensor, info: Any) -> torch.Tensor:
         weight, _, padding_idx, scale = info
         ctx.save_for_backward(ids)
         ctx.info = info
         return torch.embedding(weight, ids, padding_idx, scale, False)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None, None]:
         (ids,) = ctx.saved_tensors
         weight, sink, padding_idx, scale = ctx.info
 
@@ -183,7 +195,12 @@ class _Deferring(TorchFunctionMode):
         if torch.is_grad_enabled():
             if func is F.linear:
                 x, w, b = _bind(args, kwargs, ("input", "weight", "bias"), (None,))
-                if _trainable_leaf(w) and (b is None or _trainable_leaf(b)) and isinstance(x, torch.Tensor):
+                if (
+                    _trainable_leaf(w)
+                    and (b is None or _trainable_leaf(b))
+                    and isinstance(x, torch.Tensor)
+                    and x.dim() >= 2  # a vector input runs as a matrix-vector product
+                ):
                     info = ((w, b), self.sink, _autocast_dtype(x.device.type))
                     return _Linear.apply(x, self._anchor(x), info)
             elif func in _CONVS:
@@ -196,8 +213,8 @@ class _Deferring(TorchFunctionMode):
                     and x.dim() == w.dim()  # batched input (convolution_backward's shapes)
                     and not isinstance(geometry[1], str)  # padding="same" pads unevenly outside convolution
                 ):
-                    info = ((w, b), self.sink, _autocast_dtype(x.device.type), func, tuple(geometry))
-                    return _Conv.apply(x, self._anchor(x), info)
+                    conv = ((w, b), self.sink, _autocast_dtype(x.device.type), func, tuple(geometry))
+                    return _Conv.apply(x, self._anchor(x), conv)
             elif func is F.embedding:
                 names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
                 ids, w, padding_idx, max_norm, _, scale, sparse = _bind(
@@ -208,8 +225,8 @@ class _Deferring(TorchFunctionMode):
                         padding_idx = -1
                     elif padding_idx < 0:
                         padding_idx += w.shape[0]  # as F.embedding normalizes it
-                    info = (w, self.sink, padding_idx, bool(scale))
-                    return _Embedding.apply(ids, self._anchor(w, always=True), info)
+                    embedding = (w, self.sink, padding_idx, bool(scale))
+                    return _Embedding.apply(ids, self._anchor(w, always=True), embedding)
         return func(*args, **kwargs)
 
 

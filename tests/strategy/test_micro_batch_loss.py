@@ -92,7 +92,14 @@ def worker(rank: int, world_size: int, pp: int, schedule: str, accumulate: int, 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("world_size", "pp", "schedule", "accumulate", "clip"),
-    [(2, 2, "1f1b", 1, None), (2, 2, "gpipe", 2, 0.05), (4, 2, "1f1b", 1, 0.05), (3, 3, "1f1b", 1, None)],
+    [
+        (2, 2, "1f1b", 1, None),
+        (2, 2, "gpipe", 2, 0.05),
+        (4, 2, "1f1b", 1, 0.05),
+        (3, 3, "1f1b", 1, None),
+        (2, 2, "zb-h1", 2, 0.05),
+        (4, 2, "zb-h1", 1, 0.05),  # the dp mean leaves during the last W
+    ],
 )
 def test_loss_inside_the_pipeline_is_the_plain_run(
     world_size: int, pp: int, schedule: str, accumulate: int, clip: float | None
