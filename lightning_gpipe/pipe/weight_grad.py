@@ -66,6 +66,12 @@ def _no_autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.Abst
 # to micro-batch m's list.
 
 
+def _as(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A gradient in the dtype of what it is the gradient of, as autograd's engine casts each node's outputs (an
+    ambient autocast may have computed it in another: CUDA's sums in float32)."""
+    return grad.to(like.dtype)
+
+
 def _column_major(t: torch.Tensor) -> bool:
     """As autograd's mm backward tests a matrix, to return its gradient in the same layout."""
     return t.stride(0) == 1 and t.stride(1) == t.shape[0]
@@ -96,13 +102,14 @@ class _Linear(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             gx2 = wt.mm(g2.t()).t() if _column_major(x2) else g2.mm(wt.t())
-            gx = gx2.reshape(xc.shape).to(ctx.x_dtype)
+            gx = _as(gx2.reshape(xc.shape), xc).to(ctx.x_dtype)
         bias_after = ctx.bias_after
 
         def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
-            out = [(weight, g2.t().mm(x2) if _column_major(wt) else x2.t().mm(g2).t())]
+            out = [(weight, _as(g2.t().mm(x2) if _column_major(wt) else x2.t().mm(g2).t(), wc))]
             if bias is not None:
-                out.append((bias, (g if bias_after else g2).sum(list(range(g.dim() - 1 if bias_after else 1)))))
+                gb = (g if bias_after else g2).sum(list(range(g.dim() - 1 if bias_after else 1)))
+                out.append((bias, _as(gb, wc)))  # under autocast the bias is cast as the weight is
             return out
 
         sink.append(closure)
@@ -132,12 +139,12 @@ class _Conv(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             gx = torch.ops.aten.convolution_backward(g, xc, wc, bias_sizes, *geometry, [True, False, False])[0]
-            gx = gx.to(ctx.x_dtype)
+            gx = _as(gx, xc).to(ctx.x_dtype)
 
         def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
             mask = [False, True, bias is not None]
             _, gw, gb = torch.ops.aten.convolution_backward(g, xc, wc, bias_sizes, *geometry, mask)
-            return [(weight, gw)] + ([(bias, gb)] if bias is not None else [])
+            return [(weight, _as(gw, wc))] + ([(bias, _as(gb, wc))] if bias is not None else [])
 
         sink.append(closure)
         return gx, None, None
