@@ -227,7 +227,13 @@ class _Deferring(TorchFunctionMode):
                 ids, w, padding_idx, max_norm, _, scale, sparse = _bind(
                     args, kwargs, names, (None, None, 2.0, False, False)
                 )
-                if _trainable_leaf(w) and max_norm is None and not sparse and isinstance(ids, torch.Tensor):
+                if (
+                    _trainable_leaf(w)
+                    and max_norm is None
+                    and not sparse
+                    and isinstance(ids, torch.Tensor)
+                    and (padding_idx is None or -w.shape[0] <= padding_idx < w.shape[0])  # else F.embedding raises
+                ):
                     if padding_idx is None:
                         padding_idx = -1
                     elif padding_idx < 0:
