@@ -17,6 +17,7 @@ forward.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import lru_cache, partial
 from typing import Any, Literal, get_args
@@ -93,37 +94,40 @@ def forward_backward(
             losses.append(loss.detach())
             return [(loss, None)] if loss.requires_grad else []
 
-        pos = 0
-        while ops is None or pos < len(ops):
-            kind, m, _ = ops[pos] if ops is not None else Action("F", 0)
-            where[0] = m
-            if kind == "F":
-                if s.is_first:
-                    x, n, M = micro_inputs[m], sizes[m], len(sizes)
+        pos, hooks = 0, contextlib.ExitStack()
+        with hooks:  # zb-h1's, removed however the loop ends
+            while ops is None or pos < len(ops):
+                kind, m, _ = ops[pos] if ops is not None else Action("F", 0)
+                where[0] = m
+                if kind == "F":
+                    if s.is_first:
+                        x, n, M = micro_inputs[m], sizes[m], len(sizes)
+                    else:
+                        x, got = s.peers().receive(m, training=True)
+                        M, n, step.seed = got["M"], got["n"], got["seed"]
+                    if ops is None:  # the first header told this stage M
+                        ops = rank_actions(schedule, s.num_stages, M)[s.index]
+                        input_grads = [[] for _ in range(M)]
+                    if m == 0:
+                        check_replicas_run_the_same_m(s.layers, M, s.device)
+                        weights = WeightGrads(s.layers) if any(a.kind == "W" for a in ops) else None
+                        if weights is not None:
+                            hooks.callback(weights.close)
+                    keep = keeps_graph(s.checkpoint, ops, m)
+                    s.forward_micro(step, x, m, M, n, not keep, could_require, weights)
+                    if not keep:
+                        step.micro[m].output = None  # the last stage too: recomputed right before its backward
+                    if m == M - 1:
+                        commit_deferred_batch_norm(s.layers)
                 else:
-                    x, got = s.peers().receive(m, training=True)
-                    M, n, step.seed = got["M"], got["n"], got["seed"]
-                if ops is None:  # the first header told this stage M
-                    ops = rank_actions(schedule, s.num_stages, M)[s.index]
-                    input_grads = [[] for _ in range(M)]
-                if m == 0:
-                    check_replicas_run_the_same_m(s.layers, M, s.device)
-                    weights = WeightGrads() if any(a.kind == "W" for a in ops) else None
-                keep = keeps_graph(s.checkpoint, ops, m)
-                s.forward_micro(step, x, m, M, n, not keep, could_require, weights)
-                if not keep:
-                    step.micro[m].output = None  # the last stage too: recomputed right before its backward
-                if m == M - 1:
-                    commit_deferred_batch_norm(s.layers)
-            else:
-                if before_last_backward is not None and ops is not None and pos == len(ops) - 1:
-                    before_last_backward()
-                if kind == "W":
-                    assert weights is not None, "a W follows its F"
-                    s.weight_micro(m, weights)
-                else:
-                    s.backward_micro(step, m, input_grads, partial(roots, m=m), weights)
-            pos += 1
+                    if before_last_backward is not None and ops is not None and pos == len(ops) - 1:
+                        before_last_backward()
+                    if kind == "W":
+                        assert weights is not None, "a W follows its F"
+                        s.weight_micro(m, weights)
+                    else:
+                        s.backward_micro(step, m, input_grads, partial(roots, m=m), weights)
+                pos += 1
         where[0] = None
         if s.is_first and step.input_leaves:
             torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, s.batch_dim))

@@ -1,12 +1,13 @@
 """Zero-bubble's split backward: the weight gradients of linear, convolution and embedding ops deferred to a W action.
 
 As Megatron-LM's and DualPipe's ``WeightGradStore``: while a micro-batch of a split schedule ("zb-h1") runs forward
-(or is recomputed), a torch-function mode routes ``F.linear``, ``F.conv1d/2d/3d`` and ``F.embedding`` whose weight is
-a trainable leaf through an autograd function of the same op. Its backward (in I, the input-gradient half) computes
-the input gradient only, and keeps (input, output gradient) in a closure for micro-batch m; W m runs m's closures
-with the formulas autograd uses and accumulates the results with ``torch.autograd.backward`` on the parameters
-themselves, so that ``.grad`` sums exactly as autograd sums it and the parameters' hooks fire once, at W. No module
-is swapped: the layers run their own forward. Every other parameter (norms, custom ones) gets its gradient in I.
+(or is recomputed), a torch-function mode, inside the modules that hold parameters, routes ``F.linear``,
+``F.conv1d/2d/3d`` and ``F.embedding`` whose weight is a trainable leaf through an autograd function of the same op.
+Its backward (in I, the input-gradient half) computes the input gradient only, and keeps (input, output gradient) in
+a closure for micro-batch m; W m runs m's closures with the formulas autograd uses and accumulates the results with
+``torch.autograd.backward`` on the parameters themselves, so that ``.grad`` sums exactly as autograd sums it and the
+parameters' hooks fire once, at W. No module is swapped: the layers run their own forward. Every other parameter
+(norms, custom ones, a weight used outside the module that holds it) gets its gradient in I.
 
 Under autocast the op's arguments are cast as autocast casts them (linear and convolutions run in its lower
 precision), and the deferred matmuls use those casts, as autograd's would.
@@ -20,7 +21,9 @@ from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 # One deferred weight gradient: computes (parameter, its gradient) pairs when W runs.
 Closure = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
@@ -244,18 +247,55 @@ class _Deferring(TorchFunctionMode):
 
 
 class WeightGrads:
-    """One step's deferred weight gradients, per micro-batch: collected in I, accumulated in W."""
+    """One step's deferred weight gradients, per micro-batch: collected in I, accumulated in W.
 
-    def __init__(self) -> None:
+    The mode runs only inside the calls of ``layers``' modules that hold a trainable parameter themselves (a
+    Linear, a convolution, an embedding, an attention's projections, a norm): a torch-function mode costs a Python
+    call per op, which the other ops (activations, attention's arithmetic, containers) do not pay. Their hooks
+    (entering it after the module's own pre-hooks, leaving it before its own hooks, so that modes those enter, as
+    deferred BatchNorm's, nest) live until :meth:`close`, for one step.
+    """
+
+    def __init__(self, layers: nn.Module) -> None:
         self._pending: dict[int, list[Closure]] = {}
+        self._sink: list[Closure] | None = None
+        self._mode: _Deferring | None = None
+        self._entered: list[bool] = []  # per module call in progress: whether it entered the mode
+        self._handles: list[RemovableHandle] = []
+        for module in layers.modules():
+            if any(_trainable_leaf(p) for p in module._parameters.values()):
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._leave, prepend=True, always_call=True))
+
+    def close(self) -> None:
+        """Remove the hooks (at the end of the step, or when it fails)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        enter = self._sink is not None and self._mode is None
+        if enter:
+            assert self._sink is not None
+            self._mode = _Deferring(self._sink)
+            self._mode.__enter__()
+        self._entered.append(enter)
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._entered and self._entered.pop() and self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
 
     @contextlib.contextmanager
     def deferring(self, m: int) -> Iterator[None]:
         """Around micro-batch m's forward and its recompute: the split ops' weight gradients wait for :meth:`run`."""
         sink: list[Closure] = []
         self._pending[m] = sink  # a recompute's graph replaces the forward's (whose backward never runs)
-        with _Deferring(sink):
+        self._sink = sink
+        try:
             yield
+        finally:
+            self._sink = None
 
     def run(self, m: int) -> None:
         """W m: micro-batch m's weight gradients into ``.grad``, as autograd accumulates them (hooks included)."""

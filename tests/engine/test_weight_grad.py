@@ -75,9 +75,10 @@ def test_input_then_weight_half_is_autograds_backward_bit_for_bit(
         y = plain(x_plain)
     g = torch.randn(y.shape, dtype=y.dtype)
     y.backward(g)
-    weights = WeightGrads()
+    weights = WeightGrads(split)
     with cast, weights.deferring(0):
         y_split = split(x_split)
+    weights.close()
     assert torch.equal(y, y_split)
     y_split.backward(g)  # I: the input gradient, and the parameters outside the split ops (LayerNorm)
     in_i = sorted(n for n, _ in split.named_parameters() if "norm" in n or "scale" in n)
@@ -100,7 +101,7 @@ def test_what_the_split_leaves_alone_runs_as_written() -> None:
         nn.Embedding(5, 4, max_norm=1.0),
         nn.Conv1d(4, 4, 3, padding="same"),
     ]
-    weights = WeightGrads()
+    weights = WeightGrads(nn.ModuleList(layers))
     with weights.deferring(0):
         x = torch.randn(2, 4, requires_grad=True)
         outs = [
@@ -132,3 +133,29 @@ def test_a_one_stage_zb_h1_step_under_bf16_autocast_is_1f1bs(mode: str) -> None:
             stage.forward_backward(ids, micro_loss("mean", tgt, ids, stage.micro_batch_sizes(ids)), schedule=schedule)
         grads.append({n: p.grad for n, p in stage.named_parameters()})
     assert all(torch.equal(grads[0][n], g) for n, g in grads[1].items())
+
+
+def test_the_mode_runs_inside_modules_with_parameters_only_and_nests_with_their_own_modes() -> None:
+    """Activations and containers run without the mode; deferred BatchNorm enters its own mode in its hooks: the
+    two nest, and every hook is gone after close()."""
+    from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
+
+    seen: list[str] = []
+
+    class Probe(nn.Module):  # no parameters: outside the mode
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(type(torch.overrides._get_current_function_mode()).__name__)
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), convert_deferred_batch_norm(nn.BatchNorm1d(4)), Probe(), nn.Linear(4, 4))
+    weights = WeightGrads(model)
+    with weights.deferring(0):
+        y = model(torch.randn(6, 4))
+    assert seen == ["NoneType"] and type(y.grad_fn).__name__ == "_LinearBackward"
+    y.sum().backward()
+    weights.run(0)
+    weights.close()
+    assert all(p.grad is not None for p in model.parameters())
+    assert torch.overrides._get_current_function_mode() is None
+    assert not any(isinstance(h, type(weights._enter)) for m in model.modules() for h in m._forward_hooks.values())
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 1  # deferred BatchNorm's own
