@@ -3,9 +3,10 @@
 # What it runs: throughput.py's small AmoebaNet-D and Transformer (_lib/workloads.py; the Transformer's vocabulary
 # projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread
 # each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance), a training step = forward
-# + loss + backward + RMSProp update, with the stage's timeline on, along three loss paths, alternating step by step
+# + loss + backward + RMSProp update, with the stage's timeline on, along four loss paths, alternating step by step
 # in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
-# "gpipe" and "1f1b" (stage.forward_backward: the loss per micro-batch on the last stage, inside the pipeline). Each
+# "gpipe", "1f1b" and "zb-h1" (stage.forward_backward: the loss per micro-batch on the last stage, inside the
+# pipeline; zb-h1's backward halves, I and W, count as backward). Each
 # step is traced on every stage (clocks lined up after a barrier), then broken down by
 # lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
 # load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
@@ -35,9 +36,9 @@ from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
 from lightning_gpipe.pipe.gantt import plot_timeline
 from lightning_gpipe.pipe.trace import Event
 
-# The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the two
+# The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the
 # schedules of GPipeStage.forward_backward (the loss per micro-batch on the last stage, inside the pipeline).
-PATHS = ("whole-batch", "gpipe", "1f1b")
+PATHS = ("whole-batch", "gpipe", "1f1b", "zb-h1")
 # Disjoint shares of the whole step (first event to last on any stage, averaged over stages), in stacking order:
 # compute, the loss, then the rest of the bubble split into waiting for a peer's compute and the transfer itself,
 # then what lies outside the pipeline's span (the update, and the rest: the loop).
@@ -74,6 +75,7 @@ def step_shares(events: list) -> dict[str, float]:
     b = breakdown(events)
     span, p_span = b["span_ms"], b["pipeline_span_ms"]
     shares = {kind: b["shares"][kind] for kind in ("forward", "backward", "recompute", "loss", "transfer", "update")}
+    shares["backward"] += b["shares"]["backward-input"] + b["shares"]["backward-weight"]  # zb-h1's halves
     # The bubble and the imbalance are fractions of the pipeline's span; here, shares of the whole step.
     bubble = b["bubble"] * p_span / span
     # The whole batch's loss (micro-batch -1) lies between the phases, inside the bubble; a micro-batch's is compute.
@@ -289,7 +291,7 @@ def main() -> None:
         f"event to last on any stage), medians over clean traced steps; checkpoint={args.checkpoint}; balance by "
         "time. "
         "Loss paths, alternating step by step in the same processes: whole-batch = `stage(x)`, the loss on the "
-        "whole output on the last stage and its backward, `stage.backward()`; gpipe / 1f1b = "
+        "whole output on the last stage and its backward, `stage.backward()`; gpipe / 1f1b / zb-h1 = "
         "`stage.forward_backward(x, loss_fn, schedule=...)`, the loss per micro-batch (weighted n_m/N) on the last "
         "stage.",
         "- efficiency: the ideal GPipe step (all the step's compute, the loss and the update, spread evenly over K "
@@ -299,8 +301,9 @@ def main() -> None:
         "the pipeline's span only, beside GPipe's (K−1)/(M+K−1). load imbalance: (max − mean) of the stages' "
         "compute (a cause of bubble, not a share beside it). transfer: the part of the bubble spent in receive "
         "waits after the peer had sent. loss: the loss (whole-batch: with its backward to the output, between the "
-        "phases, inside the bubble). update: the optimizer step. other: the rest outside the pipeline's span "
-        "(the benchmark's loop). The figure stacks the disjoint parts; its medians need not sum to 100.",
+        "phases, inside the bubble). backward: zb-h1's I and W included. update: the optimizer step. other: the "
+        "rest outside the pipeline's span (the benchmark's loop). The figure stacks the disjoint parts; its medians "
+        "need not sum to 100.",
         f"- Rows with K > {cores} usable cores are oversubscribed (stages share cores).",
         "",
         *[f"- {name}: {info['model']}, balance {info['balance']}" for name, info in models.items()],

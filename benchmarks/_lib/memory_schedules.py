@@ -1,4 +1,4 @@
-"""1F1B vs GPipe with the loss per micro-batch (forward_backward): peak activation memory per stage, and step time."""
+"""1F1B (and ZB-H1) vs GPipe, the loss per micro-batch (forward_backward): peak activation per stage, step time."""
 
 # Run through memory.py: python -m benchmarks.memory --schedules (its --models, --chunks, --device, --smoke,
 # --out-dir apply; --ks picks K). The models, batches, balance and meters are memory.py's (memory_models.py,
@@ -21,23 +21,26 @@ from benchmarks._lib.memory_probe import Meter, state_bytes
 from benchmarks._lib.workloads import per_micro_batch
 from lightning_gpipe.pipe import GPipeStage
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1"}
 MB = 2**20
 METHOD = """\
 **Method.** One process per stage, one thread each, gloo on 127.0.0.1; `GPipeStage(checkpoint="never")` (every
-micro-batch keeps its activations from its forward to its backward), the same layers per stage for both schedules
+micro-batch keeps its activations from its forward to its backward), the same layers per stage for every schedule
 (memory.py's balance), M micro-batches of equal size; one step = `stage.forward_backward(x, loss_fn, schedule=...)` (the
 loss per micro-batch on the last stage, weighted n_m/N) + Adam. After a warm-up step on one micro-batch, each
 schedule's step is measured once, in the same processes: *peak activation* = the peak of the tensor storages
 allocated during the step (memory.py's exact count, a `TorchDispatchMode`; on CUDA `max_memory_allocated`), i.e.
 activations, temporaries, received tensors and gradients in flight, not the model's state. A stage holds at most
 min(M, K − k) micro-batches under 1F1B and M under GPipe (1 on GPipe's last stage, which runs F m B m by turns), so
-stage 0's ratio 1F1B / GPipe should be about K/M; the target is ≤ 1.25 · K/M. Step time: then both schedules
-alternate step by step in the same processes, without the meter (medians of clean steps, `machine.measure`)."""
+stage 0's ratio 1F1B / GPipe should be about K/M; the target is ≤ 1.25 · K/M. ZB-H1 holds min(M, K) on every stage
+(rank k defers its weight gradients by k backwards; between I and W a micro-batch keeps only what W needs: the inputs
+and output gradients of its linear, convolution and embedding ops). Step time: then the schedules alternate step by
+step in the same processes, without the meter (medians of clean steps, `machine.measure`)."""
 
 
 def run(rank: int, world: int, job: dict) -> dict:
-    """One model at one K: each schedule's peak activation per stage, then both schedules' step times."""
+    """One model at one K: each schedule's peak activation per stage, then the schedules' step times."""
     torch.set_num_threads(1)
     spec, M, cuda = job["spec"], job["M"], job["device"] == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
@@ -86,6 +89,8 @@ def in_flight(schedule: str, k: int, K: int, M: int) -> int:
     """Micro-batches whose activations stage k holds at once under ``schedule``."""
     if schedule == "1f1b":
         return min(M, K - k)
+    if schedule == "zb-h1":
+        return min(M, K)
     return 1 if k == K - 1 else M
 
 
@@ -120,8 +125,9 @@ def compare(args: argparse.Namespace, families: dict, ks: list[int]) -> None:
         st_ = {s: stats(r["timing"][s], families[r["model"]]["N"]) for s in SCHEDULES}
         trow = {"model": r["model"], "K": K, "M": M, **{f"{s}_ms": st_[s]["median_ms"] for s in SCHEDULES}}
         trow |= {"time_ratio": st_["1f1b"]["median_ms"] / st_["gpipe"]["median_ms"]}
+        trow |= {"zb_time_ratio": st_["zb-h1"]["median_ms"] / st_["1f1b"]["median_ms"]}
         trow |= {"worst_ratio": worst["1f1b"] / worst["gpipe"], "clean": f"{st_['gpipe']['clean_steps']}/"}
-        trow["clean"] += f"{st_['1f1b']['clean_steps']} of {st_['gpipe']['timed_steps']}"
+        trow["clean"] += f"{st_['1f1b']['clean_steps']}/{st_['zb-h1']['clean_steps']} of {st_['gpipe']['timed_steps']}"
         notes = (["oversubscribed"] if K > cores else []) + (["noisy"] if st_["gpipe"]["noisy"] else [])
         trow["note"] = ", ".join(notes)
         time_rows.append(trow)
@@ -130,12 +136,14 @@ def compare(args: argparse.Namespace, families: dict, ks: list[int]) -> None:
 
 MEM_COLS = (
     "model|model|; K|K|; stage|stage|; layers|layers|; model_mb|model state MB|.1f; gpipe_mb|GPipe peak act. MB|.2f; "
-    "1f1b_mb|1F1B peak act. MB|.2f; gpipe_inflight|GPipe in flight|; 1f1b_inflight|1F1B in flight|; "
+    "1f1b_mb|1F1B peak act. MB|.2f; zb-h1_mb|ZB-H1 peak act. MB|.2f; gpipe_inflight|GPipe in flight|; "
+    "1f1b_inflight|1F1B in flight|; zb-h1_inflight|ZB-H1 in flight|; "
     "ratio|1F1B / GPipe|.3f; ideal|in-flight ratio|.3f; bound|target 1.25·K/M (stage 0)|.3f; met|met|"
 )
 TIME_COLS = (
-    "model|model|; K|K|; M|M|; gpipe_ms|GPipe step ms|.0f; 1f1b_ms|1F1B step ms|.0f; time_ratio|1F1B / GPipe time|.3f; "
-    "worst_ratio|worst stage's peak act., 1F1B / GPipe|.3f; clean|clean steps (GPipe/1F1B of timed)|; note|note|"
+    "model|model|; K|K|; M|M|; gpipe_ms|GPipe step ms|.0f; 1f1b_ms|1F1B step ms|.0f; zb-h1_ms|ZB-H1 step ms|.0f; "
+    "time_ratio|1F1B / GPipe time|.3f; zb_time_ratio|ZB-H1 / 1F1B time|.3f; "
+    "worst_ratio|worst stage's peak act., 1F1B / GPipe|.3f; clean|clean steps (GPipe/1F1B/ZB-H1 of timed)|; note|note|"
 )
 
 
@@ -146,11 +154,11 @@ def table(rows: list[dict], spec: str) -> str:
 def write(args: argparse.Namespace, families: dict, runs: list, rows: list, time_rows: list, total: float) -> None:
     env = report.environment(threads_per_process=1, processes="one per stage, fresh per model and K (gloo)")
     command = report.command_line("memory")
-    md = ["# 1F1B vs GPipe, the loss per micro-batch: peak activation per stage and step time", ""]
+    md = ["# 1F1B and ZB-H1 vs GPipe, the loss per micro-batch: peak activation per stage and step time", ""]
     md += [*report.environment_lines(env), f"- Command: `{command}`; total {total:.0f} s", "", METHOD, ""]
     md += [f"- {n}: `{families[n]}`, size {families[n]['unit']} = {families[n]['size']}" for n in args.models]
     md += ["", f"## Peak activation per stage (M = {args.chunks}, checkpoint=never)", "", table(rows, MEM_COLS)]
-    md += ["", "## Step time, the two schedules side by side", "", table(time_rows, TIME_COLS)]
+    md += ["", "## Step time, the schedules side by side", "", table(time_rows, TIME_COLS)]
     data = {"command": command, "environment": env, "chunks": args.chunks, "device": args.device, "runs": runs}
     data |= {"memory": rows, "time": time_rows, "total_s": total, "families": {n: families[n] for n in args.models}}
     paths = report.write("memory_schedules", data, "\n".join(md), out_dir=args.out_dir, plot=plot)
@@ -159,19 +167,21 @@ def write(args: argparse.Namespace, families: dict, runs: list, rows: list, time
 
 
 def plot(data: dict) -> Any:
-    """The figure of a results file (its JSON, loaded): peak activation per stage under GPipe and 1F1B."""
+    """The figure of a results file (its JSON, loaded): peak activation per stage under each schedule it has."""
     rows = data["memory"]
     fig, axes = report.subplots(figsize=(max(7.0, 0.95 * len(rows) + 1.5), 4.6))
     ax = axes[0][0]
     labels = [f"{r['model']}\nK={r['K']}, stage {r['stage']}" for r in rows]
-    for j, s in enumerate(SCHEDULES):
-        xs = [i + (j - 0.5) * 0.4 for i in range(len(rows))]
-        ax.bar(xs, [r[f"{s}_mb"] for r in rows], 0.4, label={"gpipe": "GPipe", "1f1b": "1F1B"}.get(s, s))
+    shown = [s for s in SCHEDULES if rows and f"{s}_mb" in rows[0]]  # older files: GPipe and 1F1B
+    width = 0.8 / max(1, len(shown))
+    for j, s in enumerate(shown):
+        xs = [i + (j - (len(shown) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [r[f"{s}_mb"] for r in rows], width, label=LABELS.get(s, s))
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set(xlabel="model, K (stages), stage index", ylabel="peak activation of the step (MiB)")
     report.legend_right(ax, title="schedule")
     what = (
-        f"Peak activation per stage, GPipe vs 1F1B: the loss per micro-batch (forward_backward), M = {data['chunks']}, "
+        f"Peak activation per stage by schedule: the loss per micro-batch (forward_backward), M = {data['chunks']}, "
         "checkpoint=never"
     )
     return report.title(fig, what, data["environment"])

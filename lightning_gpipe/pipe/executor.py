@@ -26,6 +26,7 @@ last one, whose backward comes first, so recomputing it would only delay the dra
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal, Protocol, get_args
@@ -56,6 +57,7 @@ from lightning_gpipe.pipe.records import MicroBatch, OutputMode, Step
 from lightning_gpipe.pipe.rematerialize import ForwardState, first_forward, recomputing
 from lightning_gpipe.pipe.rng import StepSeeds, mix, restored_streams
 from lightning_gpipe.pipe.trace import Timeline
+from lightning_gpipe.pipe.weight_grad import WeightGrads
 
 Checkpoint = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES: tuple[Checkpoint, ...] = get_args(Checkpoint)
@@ -197,13 +199,26 @@ class Executor:
         if links is not None:
             links.transport.wait_sends()
 
-    def forward_micro(self, step: Step, x: Any, m: int, M: int, n: int, ckpt: bool, could_require: bool) -> None:
-        """Micro-batch m of M (n samples) through this stage's layers, sent on at once; appended to ``step``."""
+    def forward_micro(
+        self,
+        step: Step,
+        x: Any,
+        m: int,
+        M: int,
+        n: int,
+        ckpt: bool,
+        could_require: bool,
+        weights: WeightGrads | None = None,
+    ) -> None:
+        """Micro-batch m of M (n samples) through this stage's layers, sent on at once; appended to ``step``.
+        With ``weights`` (a split schedule), the weight gradients of its linear, convolution and embedding ops will
+        wait there for W m."""
         stateful = self.stateful_buffers
         state = ForwardState.capture([self.device]) if ckpt else None
         buffers, before = stateful.snapshot() if ckpt else None, stateful.mark()
         graph = first_forward(self.device) if ckpt else torch.enable_grad()
-        with self.timeline.record("forward", m), deferred_statistics(), graph:
+        split = weights.deferring(m) if weights is not None else contextlib.nullcontext()
+        with self.timeline.record("forward", m), deferred_statistics(), graph, split:
             y = self.run(x, mix(step.seed, m))
         stateful.learn(before)
         check_boundary(y, n, self.batch_dim, self.producer, self.is_last)
@@ -218,10 +233,18 @@ class Executor:
                 mb.output = None
         step.micro.append(mb)
 
-    def backward_micro(self, step: Step, m: int, input_grads: list[list[torch.Tensor]], roots: Roots) -> None:
+    def backward_micro(
+        self,
+        step: Step,
+        m: int,
+        input_grads: list[list[torch.Tensor]],
+        roots: Roots,
+        weights: WeightGrads | None = None,
+    ) -> None:
         """Micro-batch m's backward: its recompute first (if checkpointed), then autograd from its output gradient
         (received from the next stage, or ``roots(output, marks)`` on the last stage); the input gradient goes to the
-        previous stage, or into ``input_grads`` on stage 0. Frees the micro-batch."""
+        previous stage, or into ``input_grads`` on stage 0. Frees the micro-batch. With ``weights``, this is I m:
+        the deferred weight gradients wait for :meth:`weight_micro`."""
         mb = step.micro[m]
         pending = None
         if not self.is_last:
@@ -236,6 +259,7 @@ class Executor:
                 self.stateful_buffers.replay(mb.buffers),
                 recomputing(),
                 torch.enable_grad(),
+                weights.deferring(m) if weights is not None else contextlib.nullcontext(),
             ):
                 y = self.run(mb.input, mix(step.seed, m))
         if pending is not None:
@@ -244,7 +268,7 @@ class Executor:
             pairs = _marked_pairs(y, mb.marks, grads)
         else:
             pairs = roots(y, mb.marks)
-        with self.timeline.record("backward", m):
+        with self.timeline.record("backward" if weights is None else "backward-input", m):
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         leaves = [t for t in tensors(mb.input) if t.requires_grad]
@@ -254,6 +278,11 @@ class Executor:
             self.peers().send(self.index - 1, grads_in, m, requires_grad=[False] * len(grads_in))
         else:
             input_grads[m] = grads_in
+
+    def weight_micro(self, m: int, weights: WeightGrads) -> None:
+        """W m: micro-batch m's deferred weight gradients into ``.grad``."""
+        with self.timeline.record("backward-weight", m):
+            weights.run(m)
 
     def evaluate(self, input: Any, chunks: int, output_mode: OutputMode) -> Any:
         """A forward-only pipeline (no grad): nothing is kept for a backward phase."""

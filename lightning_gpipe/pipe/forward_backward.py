@@ -1,19 +1,23 @@
 """A training step with the loss inside the pipeline: each rank runs its schedule's actions, the loss on the last stage.
 
 The schedules are data (``pipe.schedules``: each rank's ordered actions, drawn there); this executor runs the ones
-marked runnable, "gpipe" and "1f1b" (F m and B m on one chunk per rank), after ``pipe.simulator`` checked them
-(once per schedule, K and M) in the transport's communicator layout under NCCL's ordering rules.
+marked runnable, "gpipe" and "1f1b" (F m and B m on one chunk per rank) and "zb-h1" (B m split into I m and W m:
+``pipe.weight_grad`` defers the weight gradients of the micro-batch's linear, convolution and embedding ops from I to
+W), after ``pipe.simulator`` checked them (once per schedule, K and M) in the transport's communicator layout under
+NCCL's ordering rules.
 
 Each stage runs its actions in order. Sends never block the host; a forward waits for its input and a backward for
 its output gradient (posted before the recompute, which fills the wait, as in the fill/drain schedule).
 Re-materialization ``except_last`` generalizes to: keep the graph of micro-batch m when its backward is the next
 action after its forward (recomputing it would only delay that backward) -- every micro-batch on the last stage,
-which therefore holds one micro-batch's output at a time. Deferred BatchNorm statistics are committed after the
-stage's last forward.
+which therefore holds one micro-batch's output at a time (under "zb-h1" the I is that backward: a recompute serves
+both halves, as W needs only what I kept). Deferred BatchNorm statistics are committed after the stage's last
+forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import lru_cache, partial
 from typing import Any, Literal, get_args
@@ -27,9 +31,10 @@ from lightning_gpipe.pipe.records import Step
 from lightning_gpipe.pipe.rng import restored_streams
 from lightning_gpipe.pipe.schedules import Action, keeps_graph, lookup
 from lightning_gpipe.pipe.simulator import simulate
+from lightning_gpipe.pipe.weight_grad import WeightGrads
 
 # The schedules this executor runs: the registry's runnable ones (pipe.schedules.SCHEDULES holds them all).
-ScheduleName = Literal["gpipe", "1f1b"]
+ScheduleName = Literal["gpipe", "1f1b", "zb-h1"]
 SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 # The last stage's loss of one micro-batch: (its output, m) -> a scalar tensor to back-propagate.
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -66,7 +71,8 @@ def forward_backward(
     ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` for each micro-batch and
     back-propagates the scalar it returns at once; it returns those scalars, detached (the others return []).
     ``drained`` runs once this stage's gradients are complete, before the check that every stage finished;
-    ``before_last_backward`` right before this stage's last backward op (after which its gradients are final).
+    ``before_last_backward`` right before this stage's last backward op, after which its gradients are final (a W
+    under "zb-h1": the gradients that I gives are final before it, the deferred ones come in it).
     """
     seed = s.seeds.draw()
     losses: list[torch.Tensor] = []
@@ -78,6 +84,7 @@ def forward_backward(
         s.stateful_buffers.begin()
         ops = rank_actions(schedule, s.num_stages, len(sizes))[s.index] if s.is_first else None
         input_grads: list[list[torch.Tensor]] = [[] for _ in sizes]
+        weights: WeightGrads | None = None
 
         def roots(y: Any, marks: list[bool], m: int) -> Pairs:
             with s.timeline.record("loss", m):
@@ -87,32 +94,40 @@ def forward_backward(
             losses.append(loss.detach())
             return [(loss, None)] if loss.requires_grad else []
 
-        pos = 0
-        while ops is None or pos < len(ops):
-            kind, m, _ = ops[pos] if ops is not None else Action("F", 0)
-            where[0] = m
-            if kind == "F":
-                if s.is_first:
-                    x, n, M = micro_inputs[m], sizes[m], len(sizes)
+        pos, hooks = 0, contextlib.ExitStack()
+        with hooks:  # zb-h1's, removed however the loop ends
+            while ops is None or pos < len(ops):
+                kind, m, _ = ops[pos] if ops is not None else Action("F", 0)
+                where[0] = m
+                if kind == "F":
+                    if s.is_first:
+                        x, n, M = micro_inputs[m], sizes[m], len(sizes)
+                    else:
+                        x, got = s.peers().receive(m, training=True)
+                        M, n, step.seed = got["M"], got["n"], got["seed"]
+                    if ops is None:  # the first header told this stage M
+                        ops = rank_actions(schedule, s.num_stages, M)[s.index]
+                        input_grads = [[] for _ in range(M)]
+                    if m == 0:
+                        check_replicas_run_the_same_m(s.layers, M, s.device)
+                        weights = WeightGrads(s.layers) if any(a.kind == "W" for a in ops) else None
+                        if weights is not None:
+                            hooks.callback(weights.close)
+                    keep = keeps_graph(s.checkpoint, ops, m)
+                    s.forward_micro(step, x, m, M, n, not keep, could_require, weights)
+                    if not keep:
+                        step.micro[m].output = None  # the last stage too: recomputed right before its backward
+                    if m == M - 1:
+                        commit_deferred_batch_norm(s.layers)
                 else:
-                    x, got = s.peers().receive(m, training=True)
-                    M, n, step.seed = got["M"], got["n"], got["seed"]
-                if ops is None:  # the first header told this stage M
-                    ops = rank_actions(schedule, s.num_stages, M)[s.index]
-                    input_grads = [[] for _ in range(M)]
-                if m == 0:
-                    check_replicas_run_the_same_m(s.layers, M, s.device)
-                keep = keeps_graph(s.checkpoint, ops, m)
-                s.forward_micro(step, x, m, M, n, not keep, could_require)
-                if not keep:
-                    step.micro[m].output = None  # the last stage too: recomputed right before its backward
-                if m == M - 1:
-                    commit_deferred_batch_norm(s.layers)
-            else:
-                if before_last_backward is not None and ops is not None and pos == len(ops) - 1:
-                    before_last_backward()
-                s.backward_micro(step, m, input_grads, partial(roots, m=m))
-            pos += 1
+                    if before_last_backward is not None and ops is not None and pos == len(ops) - 1:
+                        before_last_backward()
+                    if kind == "W":
+                        assert weights is not None, "a W follows its F"
+                        s.weight_micro(m, weights)
+                    else:
+                        s.backward_micro(step, m, input_grads, partial(roots, m=m), weights)
+                pos += 1
         where[0] = None
         if s.is_first and step.input_leaves:
             torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, s.batch_dim))

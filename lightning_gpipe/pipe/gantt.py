@@ -1,4 +1,4 @@
-"""A traced step as a PNG Gantt chart: one row per stage, F/R/B blocks by micro-batch, waits below, the bubble."""
+"""A traced step as a PNG Gantt chart: one row per stage, F/R/B (I/W) blocks by micro-batch, waits below, the bubble."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ COLORS = {
     "forward": "#4C78A8",
     "recompute": "#F58518",
     "backward": "#54A24B",
+    "backward-input": "#88D27A",
+    "backward-weight": "#2E7D32",
     "loss": "#EECA3B",
     "update": "#B279A2",
     "reduce": "#9D755D",
@@ -21,7 +23,7 @@ COLORS = {
     "send": "#E45756",
     "status": "#79706E",
 }
-LETTERS = {"forward": "F", "recompute": "R", "backward": "B"}
+LETTERS = {"forward": "F", "recompute": "R", "backward": "B", "backward-input": "I", "backward-weight": "W"}
 LOWER = (*COMMUNICATION, "status")
 
 

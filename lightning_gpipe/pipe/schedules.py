@@ -190,7 +190,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             example=(2, 4, 2),
         ),
         ScheduleSpec(
-            "zb-h1", zb_h1, "1F1B with backward split into I and W, W deferred into the cool-down", example=(3, 4, 1)
+            "zb-h1",
+            zb_h1,
+            "1F1B with backward split into I and W, W deferred into the cool-down",
+            runnable=True,
+            example=(3, 4, 1),
         ),
     )
 }

@@ -314,8 +314,9 @@ class GPipeStage(nn.Module):
         output as soon as it exists and back-propagates the scalar it returns at once (weight it: ``n_m / N`` for a
         mean over samples, see :meth:`micro_batch_sizes`); it returns those scalars, detached, the other stages [].
         ``schedule`` is ``"gpipe"`` (all M micro-batches in flight before the first backward on stages before the
-        last) or ``"1f1b"`` (at most K − k on stage k: less activation memory, the same bubble); their times are
-        measured in ``benchmarks/README.md``.
+        last), ``"1f1b"`` (at most K − k on stage k: less activation memory, the same bubble) or ``"zb-h1"`` (1F1B
+        with each backward split: the weight gradients of linear, convolution and embedding ops wait, as
+        ``pipe/weight_grad.py`` keeps them, to fill the drain); their times are measured in ``benchmarks/README.md``.
         ``drained`` runs once this stage's gradients are complete, before waiting for the other stages;
         ``before_last_backward`` right before the stage's last backward op (e.g. to reduce gradients as they end).
         """

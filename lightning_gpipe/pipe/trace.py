@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from lightning_gpipe.pipe._torch_internals import profiler_enabled
 
-# Event kinds a stage records: its compute, its communication ("send" queues a message, "recv-wait" waits for one),
+# Event kinds a stage records: its compute (a split schedule's backward in two halves: "backward-input" and
+# "backward-weight", see ``weight_grad``), its communication ("send" queues a message, "recv-wait" waits for one),
 # "step" spans one whole forward or backward phase, "status" is the check at its end that every stage finished it
 # (a small collective, so mostly waiting for the slowest stage).
-COMPUTE = ("forward", "recompute", "backward")
+COMPUTE = ("forward", "recompute", "backward", "backward-input", "backward-weight")
 COMMUNICATION = ("recv-wait", "send")
 ENGINE_KINDS = (*COMPUTE, *COMMUNICATION, "step", "status")
 # The Lightning strategy adds "loss" (from the end of the forward phase to the start of the backward phase: the

@@ -96,9 +96,10 @@ class GPipeStrategy(ParallelStrategy):
             ``"first"`` step of every epoch, ``"always"`` or ``"never"``.
         pipeline_loss: ``"auto"`` runs the module's ``pipeline_loss`` hook inside the pipeline where the module
             defines it; ``True`` requires it, ``False`` keeps the loss on the whole output.
-        schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (at most
-            K − k micro-batches held on stage k instead of M: less activation memory, the same bubble; measured in
-            ``benchmarks/README.md``).
+        schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (at most
+            K − k micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
+            (1F1B with the weight gradients of linear, convolution and embedding layers deferred into the drain: a
+            smaller bubble, the same gradients); measured in ``benchmarks/README.md``.
         data_parallel_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket),
             ``"hierarchical"`` (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back;
             the same means to fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and

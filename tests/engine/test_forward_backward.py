@@ -6,6 +6,7 @@ import copy
 import itertools
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -36,14 +37,24 @@ from tests.helpers.parity import (
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_op_lists_run_every_micro_batch_once_and_bound_what_is_in_flight(schedule: str, K: int, M: int) -> None:
     actions = rank_actions(schedule, K, M)  # type: ignore[arg-type]
+    backward = ("I", "W") if schedule == "zb-h1" else ("B",)
     for k, ops in enumerate(actions):
-        assert sorted(ops) == sorted([Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)])
-        assert [m for kind, m, _ in ops if kind == "F"] == list(range(M))
-        assert [m for kind, m, _ in ops if kind == "B"] == list(range(M))
+        assert sorted(ops) == sorted(Action(kind, m) for kind in ("F", *backward) for m in range(M))
+        for kind in ("F", *backward):
+            assert [m for a, m, _ in ops if a == kind] == list(range(M))
+        # Each W after its I, the last action a W (before_last_backward runs before it).
+        assert all(ops.index(Action("W", m)) > ops.index(Action("I", m)) for m in range(M) if "W" in backward)
+        assert ops[-1].kind == backward[-1]
         expected = min(M, K - k) if schedule == "1f1b" or k == K - 1 else M
         if schedule == "gpipe" and k == K - 1:
             expected = 1
+        if schedule == "zb-h1":  # rank k keeps k more micro-batches until their W
+            expected = min(M, K)
         assert simulate(actions, K).peak[k] == expected, (k, ops)
+    if schedule == "zb-h1":  # ZB-H1 (F = I = W = 1, B = 2): 3M + K − 1 units where 1F1B takes 3(M + K − 1)
+        makespan = simulate(actions, K, nccl=False).makespan
+        assert makespan == 3 * M + K - 1 if M >= K else makespan <= 3 * (M + K - 1)
+        return
     # 2(M + K − 1) units with unit costs: GPipe's bubble, no more.
     assert simulate(actions, K, costs=Costs(B=1), nccl=False).makespan == 2 * (M + K - 1)
 
@@ -52,7 +63,9 @@ def test_the_executor_runs_the_registrys_runnable_schedules() -> None:
     assert SCHEDULES == tuple(name for name, spec in REGISTRY.items() if spec.runnable)
     for name in REGISTRY:
         if name not in SCHEDULES:
-            with pytest.raises(ValueError, match=re.escape(f"schedule={name!r} is not one of ['gpipe', '1f1b']")):
+            with pytest.raises(
+                ValueError, match=re.escape(f"schedule={name!r} is not one of ['gpipe', '1f1b', 'zb-h1']")
+            ):
                 validate_schedule(name)
 
 
@@ -131,8 +144,9 @@ def run_case(kind: str, M: int, mode: str, schedule: str, balance: list[int], lo
 
 CASES = [
     (kind, M, mode, schedule, loss)
-    for kind, M, mode, schedule in itertools.product(models.MODELS, MICRO, MODES, ("gpipe", "1f1b"))
+    for kind, M, mode, schedule in itertools.product(models.MODELS, MICRO, MODES, SCHEDULES)
     for loss in (("mean", "tokens") if kind == "cells" else ("mean",))
+    if schedule != "zb-h1" or mode != "never"  # its I keeps what "never" keeps: "except_last" on the last stage
 ]
 
 
@@ -144,15 +158,16 @@ def parity_worker(rank: int, world_size: int) -> list[tuple[tuple, dict[str, flo
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 @pytest.mark.timeout(400)
 def test_loss_in_the_pipeline_equals_plain_model(K: int) -> None:
-    """Both schedules, K stages, M ∈ {1, 2, 4, 8} (M < K too), every re-materialization mode, uneven and too-small
-    batches, changing shapes, a mean over samples and a mean over tokens (weights n_m/N and tokens_m/tokens)."""
+    """Every runnable schedule, K stages, M ∈ {1, 2, 4, 8} (M < K too), every re-materialization mode, uneven and
+    too-small batches, changing shapes, a mean over samples and a mean over tokens (weights n_m/N and tokens_m/tokens);
+    zb-h1's weight gradients of Linear and Embedding deferred to W."""
     checked = check_cases(run_distributed(parity_worker, K, timeout=380))
     counts = {kind: len(list(make().parameters())) for kind, make in models.MODELS.items()}
     assert checked == sum(counts[case[0]] for case in CASES) * 3
 
 
 def batchnorm_worker(rank: int, world_size: int, schedule: str) -> dict[str, float]:
-    """Deferred BatchNorm under both schedules: micro-batch normalization, mini-batch statistics committed once."""
+    """Deferred BatchNorm under each schedule: micro-batch normalization, mini-batch statistics committed once."""
     torch.manual_seed(0)
     model = models.with_bn()
     ref = copy.deepcopy(model)
@@ -185,9 +200,9 @@ def batchnorm_worker(rank: int, world_size: int, schedule: str) -> dict[str, flo
     return errs
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(120)
-def test_deferred_batchnorm_under_both_schedules(schedule: str) -> None:
+def test_deferred_batchnorm_under_every_schedule(schedule: str) -> None:
     for rank, errs in enumerate(run_distributed(batchnorm_worker, 2, schedule, timeout=100)):
         assert all(v <= TOL for v in errs.values()), (rank, errs)
 
@@ -205,3 +220,95 @@ def bad_loss_worker(rank: int, world_size: int) -> str:
 def test_a_loss_that_is_not_a_scalar_fails_every_stage_with_the_reason() -> None:
     for rank, message in enumerate(run_distributed(bad_loss_worker, 2, timeout=100)):
         assert "must be a scalar tensor, got a tensor of shape (3, 8)" in message, (rank, message)
+
+
+class Conv(nn.Module):
+    """A Conv1d over the sequence of (N, T, D) hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(models.D, models.D, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x.transpose(1, 2))).transpose(1, 2)
+
+
+class Scale(nn.Module):
+    """A parameter outside the ops zb-h1 splits: its gradient comes in I."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, models.D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g
+
+
+def mixed(dropout: float) -> nn.Sequential:
+    D = models.D
+    return nn.Sequential(
+        nn.Embedding(11, D, padding_idx=0),
+        nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D), nn.Dropout(dropout)),
+        Conv(),
+        Scale(),
+        nn.Sequential(nn.Linear(D, D), nn.Dropout(dropout)),
+        nn.Linear(D, D, bias=False),
+    )
+
+
+MIXED_STEPS = [(10, 5), (7, 9), (2, 4)]  # uneven micro-batches, a new sequence length each step, then M = 2 < K = 3
+
+
+def mixed_run(dropout: float, schedule: str, balance: list[int], mode: str) -> dict[str, Any]:
+    """Three steps of ``mixed(dropout)``: each step's gradients, how often each parameter's hook fired, the events."""
+    torch.manual_seed(0)
+    stage = GPipeStage(mixed(dropout), chunks=4, balance=balance, checkpoint=mode, timeline=True)
+    fired = {name: 0 for name, _ in stage.named_parameters()}
+    for name, p in stage.named_parameters():
+        p.register_hook(lambda g, name=name: fired.__setitem__(name, fired[name] + 1))
+    torch.manual_seed(7)
+    grads = []
+    for step, (N, T) in enumerate(MIXED_STEPS):
+        ids = models.make_input("ids", N, T, seed=step)
+        tgt = torch.randn(N, T, models.D, generator=torch.Generator().manual_seed(100 + step))
+        stage.zero_grad(set_to_none=True)
+        stage.forward_backward(ids, micro_loss("mean", tgt, ids, stage.micro_batch_sizes(ids)), schedule=schedule)
+        grads.append({n: p.grad.tolist() for n, p in stage.named_parameters()})
+    return {"grads": grads, "fired": fired, "kinds": sorted({e.kind for e in stage.timeline.events})}
+
+
+def mixed_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
+    warnings.simplefilter("ignore")  # N < M warns by design
+    balance = {2: [3, 3], 3: [2, 2, 2]}[world_size]
+    runs = [(0.3, "zb-h1", "always"), (0.3, "1f1b", "always"), (0.0, "zb-h1", "except_last")]
+    return [mixed_run(dropout, schedule, balance, mode) for dropout, schedule, mode in runs]
+
+
+def plain_mixed_grads() -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = mixed(0.0)
+    grads = []
+    for step, (N, T) in enumerate(MIXED_STEPS):
+        ids = models.make_input("ids", N, T, seed=step)
+        tgt = torch.randn(N, T, models.D, generator=torch.Generator().manual_seed(100 + step))
+        model.zero_grad(set_to_none=True)
+        models.loss_fn(model(ids), tgt).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return grads
+
+
+@pytest.mark.parametrize("K", [2, 3])
+@pytest.mark.timeout(120)
+def test_zb_h1_defers_linear_conv_and_embedding_weight_gradients_and_is_the_same_run(K: int) -> None:
+    """Embedding, Linear, LayerNorm, Conv1d, a custom parameter, dropout: zb-h1's gradients (W for the split ops, I
+    for the others) are 1F1B's bit for bit, with the same dropout masks (recomputed: ``always``), and the plain
+    model's (≤ 1e-6); every parameter's hook fires once per micro-batch, as under 1F1B; I and W are traced apart."""
+    plain = plain_mixed_grads()
+    for rank, (got, one_f_one_b, no_dropout) in enumerate(run_distributed(mixed_worker, K, timeout=100)):
+        assert {"backward-input", "backward-weight"} <= set(got["kinds"]) and "backward" not in got["kinds"], rank
+        assert got["fired"] == one_f_one_b["fired"], rank
+        assert min(got["fired"].values()) == 4 + 4 + 2, rank  # once per micro-batch of every step
+        assert got["grads"] == one_f_one_b["grads"], rank
+        for step, want in enumerate(plain):
+            for name, g in no_dropout["grads"][step].items():
+                assert rel_err(torch.tensor(g), want[name]) <= TOL, (rank, step, name)

@@ -18,7 +18,7 @@ from tests.helpers.launch import run_distributed
 N = 10
 
 
-def _step(stage: GPipeStage, replica: int, step: int, hooks: dict[str, Any]) -> None:
+def _step(stage: GPipeStage, replica: int, step: int, hooks: dict[str, Any], schedule: str = "1f1b") -> None:
     M = stage.chunks
     x = models.make_input("mlp", N, seed=10 * step + replica)  # different data on each replica
     tgt = torch.randn(N, models.D, generator=torch.Generator().manual_seed(100 + 10 * step + replica))
@@ -26,12 +26,18 @@ def _step(stage: GPipeStage, replica: int, step: int, hooks: dict[str, Any]) -> 
     lo = [sum(sizes[:m]) for m in range(M)]
     stage.zero_grad(set_to_none=True)
     stage.forward_backward(
-        x, lambda y, m: models.loss_fn(y, tgt[lo[m] : lo[m] + sizes[m]]) * sizes[m] / N, schedule="1f1b", **hooks
+        x, lambda y, m: models.loss_fn(y, tgt[lo[m] : lo[m] + sizes[m]]) * sizes[m] / N, schedule=schedule, **hooks
     )
 
 
 def ready_worker(
-    rank: int, world_size: int, M: int, frozen: bool, bucket_bytes: int = 64, tail_bytes: int | None = None
+    rank: int,
+    world_size: int,
+    M: int,
+    frozen: bool,
+    bucket_bytes: int = 64,
+    tail_bytes: int | None = None,
+    schedule: str = "1f1b",
 ) -> dict[str, Any]:
     pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -64,11 +70,11 @@ def ready_worker(
                 pending.append(ready.launch_rest())
 
             launches.clear()
-            _step(stage, replica, step, {"before_last_backward": ready.arm, "drained": drained})
+            _step(stage, replica, step, {"before_last_backward": ready.arm, "drained": drained}, schedule)
             pending[0].wait()
             got = [None if p.grad is None else p.grad.clone() for p in params]
             during.append(sum(t < ends[-1] for t in launches))
-            _step(stage, replica, step, {})
+            _step(stage, replica, step, {}, schedule)
             BucketedAllReduce(params, dp, bucket_bytes=64)()
             want = [p.grad for p in params]
             same = same and all(
@@ -83,14 +89,21 @@ def ready_worker(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("M", "frozen", "bucket_bytes", "tail_bytes"),
-    [(4, False, 64, None), (4, True, 64, None), (1, False, 64, None), (4, False, 2**25, 64)],
-    ids=["all trained", "one frozen per stage", "M=1", "one bucket, its tail cut"],
+    ("M", "frozen", "bucket_bytes", "tail_bytes", "schedule"),
+    [
+        (4, False, 64, None, "1f1b"),
+        (4, True, 64, None, "1f1b"),
+        (1, False, 64, None, "1f1b"),
+        (4, False, 2**25, 64, "1f1b"),
+        (4, True, 64, None, "zb-h1"),
+    ],
+    ids=["all trained", "one frozen per stage", "M=1", "one bucket, its tail cut", "zb-h1: during the last W"],
 )
 def test_buckets_leave_during_the_last_backward_with_the_same_means(
-    M: int, frozen: bool, bucket_bytes: int, tail_bytes: int | None
+    M: int, frozen: bool, bucket_bytes: int, tail_bytes: int | None, schedule: str
 ) -> None:
-    results = run_distributed(ready_worker, 4, M, frozen, bucket_bytes, tail_bytes, timeout=100)
+    """Under zb-h1 the last op is the last W: the deferred weight gradients fire their hooks there."""
+    results = run_distributed(ready_worker, 4, M, frozen, bucket_bytes, tail_bytes, schedule, timeout=100)
     for rank, r in enumerate(results):
         assert r["same"], rank  # bit for bit: each element summed over the same two replicas
         if M > 1:

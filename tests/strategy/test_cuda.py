@@ -108,7 +108,7 @@ def test_examples_run_on_one_gpu(precision: str, tmp_path: Path) -> None:
         assert torch.isfinite(trainer.callback_metrics["train_loss"]), type(module).__name__
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_loss_inside_on_one_gpu_equals_the_plain_model(schedule: str) -> None:
     """forward_backward's loss per micro-batch on a GPU (K = 1, uneven micro-batches): the plain model's gradients."""
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def test_recompute_repeats_the_forward_of_attention_with_dropout_on_the_gpu(dtyp
         assert torch.equal(never[name], always[name]), name
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_device_syncs_per_step_do_not_grow_with_M(schedule: str) -> None:
     """The engine's loss-inside step under torch.cuda.set_sync_debug_mode("warn"): as many syncs at M = 8 as at 2."""
     torch.manual_seed(0)

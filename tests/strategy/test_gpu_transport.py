@@ -78,7 +78,7 @@ def large_worker(rank: int, world_size: int, schedule: str | None) -> float:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b", "zb-h1"])
 def test_16_mib_boundaries_finish_under_every_schedule(schedule: str | None) -> None:
     """None: the loss outside the pipeline (whole output shared with stage 0, 64 MiB); else the loss inside."""
     if not on_cuda():  # NCCL's buffers are what make size matter; its ordering is modelled at any size

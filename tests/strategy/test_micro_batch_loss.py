@@ -92,7 +92,14 @@ def worker(rank: int, world_size: int, pp: int, schedule: str, accumulate: int, 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("world_size", "pp", "schedule", "accumulate", "clip"),
-    [(2, 2, "1f1b", 1, None), (2, 2, "gpipe", 2, 0.05), (4, 2, "1f1b", 1, 0.05), (3, 3, "1f1b", 1, None)],
+    [
+        (2, 2, "1f1b", 1, None),
+        (2, 2, "gpipe", 2, 0.05),
+        (4, 2, "1f1b", 1, 0.05),
+        (3, 3, "1f1b", 1, None),
+        (2, 2, "zb-h1", 2, 0.05),
+        (4, 2, "zb-h1", 1, 0.05),  # the dp mean leaves during the last W
+    ],
 )
 def test_loss_inside_the_pipeline_is_the_plain_run(
     world_size: int, pp: int, schedule: str, accumulate: int, clip: float | None
@@ -219,3 +226,24 @@ def test_a_schedule_with_the_loss_outside_is_refused(module: Any, setting: Any) 
     with pytest.raises(ValueError, match=r"schedule='1f1b'.*loss runs outside.*leave schedule='gpipe'"):
         MicroBatchLoss.choose(module, setting, None, "1f1b")
     assert MicroBatchLoss.choose(module, setting, None, "gpipe") is None
+
+
+def bf16_worker(rank: int, world_size: int) -> dict[str, dict]:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    weights = {}
+    for schedule in ("1f1b", "zb-h1"):
+        module = HookModule()
+        strategy = GPipeStrategy(chunks=4, pipeline_parallel_size=2, schedule=schedule)
+        trainer = quiet_trainer(devices=world_size, strategy=strategy, precision="bf16-mixed", max_steps=STEPS)
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+        weights[schedule] = {n: p.detach().tolist() for n, p in module.named_parameters()}
+    return weights
+
+
+@pytest.mark.timeout(200)
+def test_zb_h1_under_bf16_mixed_trains_as_1f1b_does() -> None:
+    """Under autocast the deferred weight gradients use autocast's casts: the same weights as 1F1B's, bit for bit."""
+    for rank, weights in enumerate(run_distributed(bf16_worker, 2, timeout=180, lightning=True)):
+        assert len(weights["zb-h1"]) > 4 and weights["zb-h1"] == weights["1f1b"], rank

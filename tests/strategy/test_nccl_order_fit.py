@@ -63,8 +63,9 @@ def worker(rank: int, world_size: int, pp: int, hooked: bool, schedule: str) -> 
 @pytest.mark.parametrize(
     ("world_size", "pp", "hooked", "schedule"),
     # pp × dp with the loss outside (the output shared, buckets over replicas); K = 3 with the loss inside under 1F1B
-    # (a middle stage both ways). The engine's matrix (tests/engine/test_nccl_order.py) runs the rest of the grid.
-    [(4, 2, False, "gpipe"), (3, 3, True, "1f1b")],
+    # (a middle stage both ways); zb-h1 at pp × dp, a weight tied across its stages. The engine's matrix
+    # (tests/engine/test_nccl_order.py) runs the rest of the grid.
+    [(4, 2, False, "gpipe"), (3, 3, True, "1f1b"), (4, 2, True, "zb-h1")],
 )
 def test_lightning_runs_under_nccl_rules(world_size: int, pp: int, hooked: bool, schedule: str) -> None:
     results = run_distributed(worker, world_size, pp, hooked, schedule, timeout=280, lightning=True)

@@ -1,0 +1,161 @@
+"""zb-h1's split backward (pipe.weight_grad): I then W give autograd's gradients bit for bit, hooks fire once, at W."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.weight_grad import WeightGrads
+from tests.engine.test_forward_backward import micro_loss, mixed
+from tests.helpers import models
+
+
+class Transposed(nn.Module):
+    """``layer`` on (N, C, T) read as (N, T, C): a non-contiguous input; with N = 1 its matrix is column-major. The
+    scale's gradient sums the input gradient times the input: its rounding depends on the input gradient's layout."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x.transpose(1, 2) * self.scale)
+
+
+class Twice(nn.Module):
+    """One Linear used twice: its two gradients summed before they reach .grad, as autograd sums them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(6, 6), nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(self.norm(x))))
+
+
+CASES: list[tuple[str, Callable[[], nn.Module], tuple[int, ...]]] = [
+    ("linear 2-d", lambda: nn.Linear(6, 5), (7, 6)),
+    ("linear 3-d", lambda: nn.Linear(6, 5), (3, 7, 6)),
+    ("linear 4-d, no bias", lambda: nn.Linear(6, 5, bias=False), (2, 3, 7, 6)),
+    ("linear, non-contiguous input", lambda: Transposed(nn.Linear(6, 5)), (3, 6, 7)),
+    ("linear, column-major input", lambda: Transposed(nn.Linear(6, 5)), (1, 6, 9)),
+    ("linear used twice, LayerNorm", Twice, (3, 7, 6)),
+    ("conv1d", lambda: nn.Conv1d(6, 5, 3, padding=1), (4, 6, 9)),
+    ("conv2d, stride 2", lambda: nn.Conv2d(2, 3, 3, stride=2), (4, 2, 9, 9)),
+    ("conv3d, groups 2, no bias", lambda: nn.Conv3d(2, 4, 3, groups=2, bias=False), (2, 2, 5, 5, 5)),
+    ("embedding, padding_idx", lambda: nn.Embedding(11, 4, padding_idx=0), (3, 5)),
+]
+DTYPES = {"fp32": (torch.float32, None), "float64": (torch.float64, None), "bf16 autocast": (torch.float32, "bf16")}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("name", "make", "shape"), CASES, ids=[c[0] for c in CASES])
+def test_input_then_weight_half_is_autograds_backward_bit_for_bit(
+    name: str, make: Callable[[], nn.Module], shape: tuple[int, ...], dtype: str
+) -> None:
+    torch.manual_seed(0)
+    real, autocast = DTYPES[dtype]
+    plain = make().to(real)
+    split = copy.deepcopy(plain)
+    ids = name.startswith("embedding")
+    x = torch.randint(0, 11, shape) if ids else torch.randn(shape, dtype=real)
+    x_plain, x_split = (x, x) if ids else (x.clone().requires_grad_(), x.clone().requires_grad_())
+    fired: list[str] = []
+    for n, p in split.named_parameters():
+        p.register_hook(lambda g, n=n: fired.append(n))
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None)
+    with cast:
+        y = plain(x_plain)
+    g = torch.randn(y.shape, dtype=y.dtype)
+    y.backward(g)
+    weights = WeightGrads(split)
+    with cast, weights.deferring(0):
+        y_split = split(x_split)
+    weights.close()
+    assert torch.equal(y, y_split)
+    y_split.backward(g)  # I: the input gradient, and the parameters outside the split ops (LayerNorm)
+    in_i = sorted(n for n, _ in split.named_parameters() if "norm" in n or "scale" in n)
+    assert sorted(n for n, p in split.named_parameters() if p.grad is not None) == sorted(fired) == in_i
+    fired.clear()
+    weights.run(0)  # W
+    assert sorted(fired) == sorted(n for n, _ in split.named_parameters() if n not in in_i)  # each once
+    for (n, p), q in zip(plain.named_parameters(), split.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    if not ids:
+        assert torch.equal(x_plain.grad, x_split.grad)
+
+
+def test_what_the_split_leaves_alone_runs_as_written() -> None:
+    """A frozen weight, a sparse or max_norm embedding, padding="same", no grad: autograd (or nothing) as usual."""
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    layers = [
+        frozen,
+        nn.Embedding(5, 4, sparse=True),
+        nn.Embedding(5, 4, max_norm=1.0),
+        nn.Conv1d(4, 4, 3, padding="same"),
+    ]
+    weights = WeightGrads(nn.ModuleList(layers))
+    with weights.deferring(0):
+        x = torch.randn(2, 4, requires_grad=True)
+        outs = [
+            layers[0](x),
+            layers[1](torch.tensor([1, 2])),
+            layers[2](torch.tensor([1, 2])),
+            layers[3](x.view(1, 4, 2)),
+        ]
+        with torch.no_grad():
+            layers[3](x.view(1, 4, 2))
+    assert all(type(o.grad_fn).__name__ not in ("_LinearBackward", "_EmbeddingBackward", "_ConvBackward") for o in outs)
+    sum(o.sum() for o in outs).backward()
+    assert weights._pending[0] == []
+    assert layers[1].weight.grad is not None and layers[3].weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_a_one_stage_zb_h1_step_under_bf16_autocast_is_1f1bs(mode: str) -> None:
+    """Under CPU autocast (bf16) the deferred matmuls use autocast's casts: the step's gradients are 1F1B's."""
+    warnings.simplefilter("ignore")
+    grads = []
+    for schedule in ("1f1b", "zb-h1"):
+        torch.manual_seed(0)
+        stage = GPipeStage(mixed(0.3), chunks=4, balance=[6], checkpoint=mode)
+        torch.manual_seed(7)
+        ids = models.make_input("ids", 7, 9, seed=1)
+        tgt = torch.randn(7, 9, models.D, generator=torch.Generator().manual_seed(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stage.forward_backward(ids, micro_loss("mean", tgt, ids, stage.micro_batch_sizes(ids)), schedule=schedule)
+        grads.append({n: p.grad for n, p in stage.named_parameters()})
+    assert all(torch.equal(grads[0][n], g) for n, g in grads[1].items())
+
+
+def test_the_mode_runs_inside_modules_with_parameters_only_and_nests_with_their_own_modes() -> None:
+    """Activations and containers run without the mode; deferred BatchNorm enters its own mode in its hooks: the
+    two nest, and every hook is gone after close()."""
+    from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
+
+    seen: list[str] = []
+
+    class Probe(nn.Module):  # no parameters: outside the mode
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(type(torch.overrides._get_current_function_mode()).__name__)
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), convert_deferred_batch_norm(nn.BatchNorm1d(4)), Probe(), nn.Linear(4, 4))
+    weights = WeightGrads(model)
+    with weights.deferring(0):
+        y = model(torch.randn(6, 4))
+    assert seen == ["NoneType"] and type(y.grad_fn).__name__ == "_LinearBackward"
+    y.sum().backward()
+    weights.run(0)
+    weights.close()
+    assert all(p.grad is not None for p in model.parameters())
+    assert torch.overrides._get_current_function_mode() is None
+    assert not any(isinstance(h, type(weights._enter)) for m in model.modules() for h in m._forward_hooks.values())
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 1  # deferred BatchNorm's own
