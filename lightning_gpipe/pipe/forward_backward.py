@@ -29,7 +29,7 @@ from lightning_gpipe.pipe.executor import Executor, Pairs
 from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_leaves
 from lightning_gpipe.pipe.records import Step
 from lightning_gpipe.pipe.rng import restored_streams
-from lightning_gpipe.pipe.schedules import Action, keeps_graph, lookup
+from lightning_gpipe.pipe.schedules import Action, fuse_halves, keeps_graph, lookup
 from lightning_gpipe.pipe.simulator import simulate
 from lightning_gpipe.pipe.weight_grad import WeightGrads
 
@@ -52,7 +52,7 @@ def rank_actions(schedule: ScheduleName, K: int, M: int) -> tuple[tuple[Action, 
     """Every rank's actions under ``schedule``, once the simulator found them valid and free of deadlocks."""
     spec = lookup(schedule)
     assert spec.runnable, f"the executor does not run {schedule!r}: validate_schedule admits only {SCHEDULES}"
-    actions = spec.actions(K, M)
+    actions = [fuse_halves(ops) for ops in spec.actions(K, M)]
     simulate(actions, K)
     return tuple(tuple(ops) for ops in actions)
 

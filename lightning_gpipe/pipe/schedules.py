@@ -207,6 +207,18 @@ def lookup(name: str) -> ScheduleSpec:
     raise ValueError(f"schedule={name!r} is not a registered schedule; choose one of {list(SCHEDULES)}")
 
 
+def fuse_halves(actions: Sequence[Action]) -> list[Action]:
+    """A rank's actions with each I m right before its W m run as one B m: split, they would send nothing earlier
+    (rank 0 of "zb-h1" always: nobody waits for its input gradient) and pay for the split."""
+    out: list[Action] = []
+    for a in actions:
+        if a.kind == "W" and out and out[-1] == Action("I", a.m, a.c):
+            out[-1] = Action("B", a.m, a.c)
+        else:
+            out.append(a)
+    return out
+
+
 def keeps_graph(mode: Checkpoint, actions: Sequence[Action], m: int, c: int = 0) -> bool:
     """Whether micro-batch m keeps chunk c's inner activations from its forward to its backward (else: recomputed).
 

@@ -90,6 +90,8 @@ class _Linear(torch.autograd.Function):
         xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         with _no_autocast(x.device.type, dtype):
             y = F.linear(xc, wc, bc)
+        if y._base is not None:  # a view (a 3-d input's): autograd forbids changing a Function's view in place
+            y = y.clone()
         ctx.save_for_backward(xc.detach(), wc.detach())
         # aten's linear adds the bias inside addmm for a 2-d or contiguous input, else after a matmul: its gradient
         # is then summed over every leading dimension of the output's, not over the rows of their matrix.
@@ -117,6 +119,39 @@ class _Linear(torch.autograd.Function):
 
         sink.append(closure)
         return gx, None, None
+
+
+def _linear_hooked(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: list[Closure], dtype: torch.dtype | None
+) -> torch.Tensor:
+    """F.linear with the parameters detached, so that autograd's own addmm backward computes the input gradient
+    alone, in C++; a hook on the output keeps its gradient for W's closure. The cheap path, for an input that
+    requires grad and is 2-d or contiguous (aten runs both as one addmm on its rows whether or not the weight
+    requires grad); :class:`_Linear` takes the rest. The hook is on the op's autograd node, not on the output: a
+    tensor hook is lost when the output is then changed in place (an ``nn.ReLU(inplace=True)``)."""
+    xc = _cast(x, dtype)  # differentiable, as autocast's cast of the input
+    wc = weight.detach() if dtype is None else weight.detach().to(dtype)
+    bc = None if bias is None else bias.detach() if dtype is None else bias.detach().to(dtype)
+    with _no_autocast(x.device.type, dtype):
+        y = F.linear(xc, wc, bc)
+    x2 = xc.detach().reshape(-1, xc.shape[-1])
+    wt = wc.t()
+
+    def keep(grad_outputs: tuple[torch.Tensor, ...]) -> None:
+        g2 = grad_outputs[0].reshape(-1, grad_outputs[0].shape[-1])
+
+        def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            out = [(weight, _as(g2.t().mm(x2) if _column_major(wt) else x2.t().mm(g2).t(), wc))]
+            if bias is not None:
+                out.append((bias, _as(g2.sum(0), wc)))
+            return out
+
+        sink.append(closure)
+
+    # aten returns a 3-d input's output as a view of the 2-d addmm: an in-place op on the view reroutes its gradient
+    # around the view's node, into the addmm's.
+    (y if y._base is None else y._base).grad_fn.register_prehook(keep)
+    return y
 
 
 class _Conv(torch.autograd.Function):
@@ -211,8 +246,10 @@ class _Deferring(TorchFunctionMode):
                     and isinstance(x, torch.Tensor)
                     and x.dim() >= 2  # a vector input runs as a matrix-vector product
                 ):
-                    info = ((w, b), self.sink, _autocast_dtype(x.device.type))
-                    return _Linear.apply(x, self._anchor(x), info)
+                    dtype = _autocast_dtype(x.device.type)
+                    if x.requires_grad and (x.dim() == 2 or x.is_contiguous()):
+                        return _linear_hooked(x, w, b, self.sink, dtype)
+                    return _Linear.apply(x, self._anchor(x), ((w, b), self.sink, dtype))
             elif func in _CONVS:
                 names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
                 x, w, b, *geometry = _bind(args, kwargs, names, (None, 1, 0, 1, 1))
