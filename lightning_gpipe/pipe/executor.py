@@ -217,7 +217,9 @@ class Executor:
         state = ForwardState.capture([self.device]) if ckpt else None
         buffers, before = stateful.snapshot() if ckpt else None, stateful.mark()
         graph = first_forward(self.device) if ckpt else torch.enable_grad()
-        split = weights.deferring(m) if weights is not None else contextlib.nullcontext()
+        # The split only matters where a graph is recorded: a recomputed micro-batch's CPU forward records none.
+        defer = not (ckpt and self.device.type == "cpu")
+        split = weights.deferring(m) if weights is not None and defer else contextlib.nullcontext()
         with self.timeline.record("forward", m), deferred_statistics(), graph, split:
             y = self.run(x, mix(step.seed, m))
         stateful.learn(before)
