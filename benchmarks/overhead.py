@@ -240,6 +240,13 @@ def main() -> None:
     parser.add_argument("--clean-threshold", type=float, default=0.1)
     parser.add_argument("--wait-quiet", type=float, default=20.0)
     parser.add_argument("--checkpoint", choices=["except_last", "always", "never"], default="except_last")
+    parser.add_argument(
+        "--last-stage-scale",
+        type=float,
+        default=0.75,
+        help="the balance weighs the last stage's layers by it: 0.75 as GPipeStrategy with the loss inside and "
+        "re-materialization (the last stage never recomputes: F + B where the others run F + R + B)",
+    )
     parser.add_argument("--out-dir", default=str(report.RESULTS))
     parser.add_argument("--smoke", action="store_true", help="tiny models, K=2, 3 steps, no quiet waits")
     args = parser.parse_args()
@@ -251,7 +258,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     env = report.environment(threads_per_process=1, processes="one per stage (K), gloo on 127.0.0.1")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    models = {name: balances(name, sizes[name], args.ks, "time") for name in args.models}
+    models = {name: balances(name, sizes[name], args.ks, "time", args.last_stage_scale) for name in args.models}
     rows: list[dict] = []
     raw: dict[int, Any] = {}
     for K in args.ks:

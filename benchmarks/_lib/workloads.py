@@ -95,8 +95,9 @@ def micro_batch_step(name: str, s: dict[str, Any], M: int) -> Callable[[], None]
     return step
 
 
-def balances(name: str, s: dict[str, Any], ks: list[int], how: str) -> dict[str, Any]:
-    """Layer counts per K: 'time' profiles every layer once (on batch/8 samples) and solves each K exactly."""
+def balances(name: str, s: dict[str, Any], ks: list[int], how: str, last_stage_scale: float = 1.0) -> dict[str, Any]:
+    """Layer counts per K: 'time' profiles every layer once (on batch/8 samples) and solves each K exactly, the last
+    stage's layers weighed by ``last_stage_scale`` (as the strategy weighs them: see ``partition.solve``)."""
     model = build(name, s)
     info: dict[str, Any] = {
         "model": describe(name, s),
@@ -109,7 +110,8 @@ def balances(name: str, s: dict[str, Any], ks: list[int], how: str) -> dict[str,
         x, _ = make_batch(name, s, max(s["batch"] // 8, 1))
         costs = costs_by_time(model, x, repeat=5)
         info["layer_costs_ms"] = [c * 1e3 for c in costs]
-        info["balance"] = {k: solve(costs, k) for k in ks}
+        info["balance"] = {k: solve(costs, k, last_stage_scale) for k in ks}
+        info["last_stage_scale"] = last_stage_scale
     else:
         info["balance"] = {k: resolve_balance(model, k, "parameters") for k in ks}
     return info
