@@ -75,6 +75,12 @@ def _as(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return grad.to(like.dtype)
 
 
+def _owned(y: torch.Tensor) -> torch.Tensor:
+    """The output of an autograd function, copied where aten returned a view (a linear's on a 3-d input; a backend's
+    conv1d or embedding may): autograd forbids changing a function's view in place (``nn.ReLU(inplace=True)``)."""
+    return y if y._base is None else y.clone()
+
+
 def _column_major(t: torch.Tensor) -> bool:
     """As autograd's mm backward tests a matrix, to return its gradient in the same layout."""
     return t.stride(0) == 1 and t.stride(1) == t.shape[0]
@@ -90,8 +96,7 @@ class _Linear(torch.autograd.Function):
         xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         with _no_autocast(x.device.type, dtype):
             y = F.linear(xc, wc, bc)
-        if y._base is not None:  # a view (a 3-d input's): autograd forbids changing a Function's view in place
-            y = y.clone()
+        y = _owned(y)
         ctx.save_for_backward(xc.detach(), wc.detach())
         # aten's linear adds the bias inside addmm for a 2-d or contiguous input, else after a matmul: its gradient
         # is then summed over every leading dimension of the output's, not over the rows of their matrix.
@@ -162,7 +167,7 @@ class _Conv(torch.autograd.Function):
         (weight, bias), _, dtype, fn, geometry = info
         xc, wc, bc = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         with _no_autocast(x.device.type, dtype):
-            y = fn(xc, wc, bc, *geometry)
+            y = _owned(fn(xc, wc, bc, *geometry))
         ctx.save_for_backward(xc.detach(), wc.detach())
         ctx.info, ctx.x_dtype = info, x.dtype
         return y
@@ -196,7 +201,7 @@ class _Embedding(torch.autograd.Function):
         weight, _, padding_idx, scale = info
         ctx.save_for_backward(ids)
         ctx.info = info
-        return torch.embedding(weight, ids, padding_idx, scale, False)
+        return _owned(torch.embedding(weight, ids, padding_idx, scale, False))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[None, None, None]:
