@@ -291,11 +291,12 @@ class _Deferring(TorchFunctionMode):
 class WeightGrads:
     """One step's deferred weight gradients, per micro-batch: collected in I, accumulated in W.
 
-    The mode runs only inside the calls of ``layers``' modules that hold a trainable parameter themselves (a
-    Linear, a convolution, an embedding, an attention's projections, a norm): a torch-function mode costs a Python
-    call per op, which the other ops (activations, attention's arithmetic, containers) do not pay. Their hooks
-    (entering it after the module's own pre-hooks, leaving it before its own hooks, so that modes those enter, as
-    deferred BatchNorm's, nest) live until :meth:`close`, for one step.
+    The mode runs only inside the calls of ``layers``' modules that hold a trainable matrix (or higher) themselves,
+    as the weights of the split ops are (a Linear, a convolution, an embedding, an attention's packed projection): a
+    torch-function mode costs a Python call per op, which the other ops (activations, norms with their vectors,
+    attention's arithmetic, containers) do not pay; an op the mode does not see runs as written, its gradients in I.
+    Their hooks (entering it after the module's own pre-hooks, leaving it before its own hooks, so that modes those
+    enter nest) live until :meth:`close`, for one step.
     """
 
     def __init__(self, layers: nn.Module) -> None:
@@ -305,7 +306,7 @@ class WeightGrads:
         self._entered: list[bool] = []  # per module call in progress: whether it entered the mode
         self._handles: list[RemovableHandle] = []
         for module in layers.modules():
-            if any(_trainable_leaf(p) for p in module._parameters.values()):
+            if any(_trainable_leaf(p) and p.dim() >= 2 for p in module._parameters.values()):
                 self._handles.append(module.register_forward_pre_hook(self._enter))
                 self._handles.append(module.register_forward_hook(self._leave, prepend=True, always_call=True))
 

@@ -159,9 +159,9 @@ def test_a_mixed_model_split_under_bf16_autocast_is_autograds_backward_bit_for_b
         assert torch.equal(p.grad, q.grad), n
 
 
-def test_the_mode_runs_inside_modules_with_parameters_only_and_nests_with_their_own_modes() -> None:
-    """Activations and containers run without the mode; deferred BatchNorm enters its own mode in its hooks: the
-    two nest, and every hook is gone after close()."""
+def test_the_mode_runs_inside_modules_holding_a_matrix_only() -> None:
+    """Activations, containers and norms (vectors) run without the mode, deferred BatchNorm with its own; Linear
+    inside it; every hook is gone after close()."""
     from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
 
     seen: list[str] = []
@@ -171,17 +171,23 @@ def test_the_mode_runs_inside_modules_with_parameters_only_and_nests_with_their_
             seen.append(type(torch.overrides._get_current_function_mode()).__name__)
             return x
 
-    model = nn.Sequential(nn.Linear(4, 4), convert_deferred_batch_norm(nn.BatchNorm1d(4)), Probe(), nn.Linear(4, 4))
+    def mode(name: str) -> Callable[..., None]:
+        return lambda m, a: seen.append(f"{name} {type(torch.overrides._get_current_function_mode()).__name__}")
+
+    norm = convert_deferred_batch_norm(nn.BatchNorm1d(4))
+    model = nn.Sequential(nn.Linear(4, 4), norm, Probe(), nn.LayerNorm(4), nn.Linear(4, 4))
     weights = WeightGrads(model)
+    for name, i in (("linear", 4), ("layernorm", 3)):
+        model[i].register_forward_pre_hook(mode(name))  # after the pre-hook that enters the mode
     with weights.deferring(0):
         y = model(torch.randn(6, 4))
-    assert seen == ["NoneType"]
+    assert seen == ["NoneType", "layernorm NoneType", "linear _Deferring"]
     y.sum().backward()
-    linears = [model[0], model[3]]  # the first on an input without grad, the second on one with it
+    linears = [model[0], model[4]]  # the first on an input without grad, the second on one with it
     assert all(p.grad is None for lin in linears for p in lin.parameters()) and len(weights._pending[0]) == 2
     weights.run(0)
     weights.close()
     assert all(p.grad is not None for p in model.parameters())
     assert torch.overrides._get_current_function_mode() is None
     assert not any(isinstance(h, type(weights._enter)) for m in model.modules() for h in m._forward_hooks.values())
-    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 1  # deferred BatchNorm's own
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 3  # deferred BatchNorm's own, the probes
