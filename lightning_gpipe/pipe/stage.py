@@ -319,6 +319,7 @@ class GPipeStage(nn.Module):
 
     def forward(self, input: Any = None) -> Any:
         """Forward phase (grad enabled) or forward-only pipeline (no grad); ``input`` is used on stage 0 only."""
+        self._refresh_chunks()
         if torch.is_grad_enabled():
             if self._steps is not None:
                 raise RuntimeError(
@@ -326,12 +327,10 @@ class GPipeStage(nn.Module):
                     "each call's forward phase must be drained by backward() before the next call (batch several "
                     "inputs into one call); reset() drops a forward phase whose backward will not run"
                 )
-            self._refresh_chunks()
             self._steps, output = forward_phase(self._executors, input, self._chunks, self._output_mode)
             return output
         self._forward_only_calls += 1
         try:
-            self._refresh_chunks()
             return evaluate(self._executors, input, self._chunks, self._output_mode)
         except Exception:
             if self._failures.broken is not None:
