@@ -22,12 +22,16 @@ triangles ('.') are the bubble, (K-1)/(M+K-1) of the time when every unit costs 
 Re-materialization modes: ``always`` checkpoints every micro-batch; ``except_last`` (default) keeps the graph of the
 last one, whose backward comes first, so recomputing it would only delay the drain (no R3 above);
 ``never`` keeps every graph (fastest, most memory).
+
+With v chunks per rank (``virtual_stages``: rank r holds stages r, r + K, …) the phases run the rank's chunks one
+after the other, each as above: a forward phase around the ring v times (rank K − 1 hands micro-batch m of chunk c to
+rank 0's chunk c + 1), a backward phase back, the last chunk first.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal, Protocol, get_args
 
@@ -42,7 +46,7 @@ from lightning_gpipe.pipe.batchnorm import (
 from lightning_gpipe.pipe.boundary import check_boundary
 from lightning_gpipe.pipe.buffers import StatefulBuffers
 from lightning_gpipe.pipe.failures import FailureHandler
-from lightning_gpipe.pipe.links import Links
+from lightning_gpipe.pipe.links import Links, check_header
 from lightning_gpipe.pipe.microbatch import (
     differentiable,
     join,
@@ -101,11 +105,14 @@ def _marked_pairs(y: Any, marks: list[bool], grads: list[torch.Tensor]) -> Pairs
 
 
 class Executor:
-    """Runs stage ``index``'s part of each phase drawn above (the loss between the phases), and its micro-batch
-    actions for ``forward_backward`` (the loss inside the pipeline), given the parts of the stage it works with.
+    """Runs stage ``index``'s micro-batches: its part of each phase drawn above (:func:`forward_phase`,
+    :func:`backward_phase`, :func:`evaluate`, the loss between the phases) and its actions for ``forward_backward``
+    (the loss inside the pipeline), given the parts of the stage it works with.
 
     ``layers`` is the stage's module (its parameters, its BatchNorm layers); ``run`` runs them on a micro-batch;
-    ``producer`` names its last layer in boundary errors. ``links`` is None on a stage without peers.
+    ``producer`` names its last layer in boundary errors. ``links`` is None on a stage without peers. With several
+    chunks per rank (interleaving, ``virtual_stages``) each chunk has its executor: stage ``index`` of
+    ``num_stages`` = vK is chunk ``chunk`` of rank ``index % ranks``, its neighbours on ranks ``index ± 1`` mod K.
     """
 
     def __init__(
@@ -123,6 +130,8 @@ class Executor:
         failures: FailureHandler,
         links: Links | None,
         timeline: Timeline,
+        ranks: int | None = None,
+        chunk: int = -1,
     ) -> None:
         self.layers = layers
         self.run = run
@@ -138,66 +147,18 @@ class Executor:
         self.timeline = timeline
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
+        self.ranks = K = num_stages if ranks is None else ranks
+        self.prev_rank, self.next_rank = (index - 1) % K, (index + 1) % K
+        self.chunk = chunk  # -1: the rank's only chunk (events and messages name no chunk)
         self.seeds = StepSeeds()
 
     def peers(self) -> Links:
         assert self.links is not None, "a stage with a neighbour has links"
         return self.links
 
-    def forward(self, input: Any, chunks: int, output_mode: OutputMode) -> tuple[Step, Any]:
-        """The forward phase: every micro-batch through this stage, in order; returns the step and the output."""
-        seed = self.seeds.draw()
-        batch_dim = self.batch_dim
-        with self.failures.phase("forward", output_mode) as where, restored_streams(self.device):
-            sizes = plan_sizes(input, chunks, batch_dim) if self.is_first else []
-            micro_inputs, input_leaves = split_leaves(input, sizes, batch_dim) if self.is_first else ([], [])
-            could_require = any(p.requires_grad for p in self.layers.parameters())
-            step = Step([], input_leaves=input_leaves, seed=seed)
-            self.stateful_buffers.begin()
-            m, M = 0, len(micro_inputs)
-            while m < M or (m == 0 and not self.is_first):
-                where[0] = m
-                if self.is_first:
-                    x, n = micro_inputs[m], sizes[m]
-                else:
-                    x, got = self.peers().receive(m, training=True)
-                    M, n, step.seed = got["M"], got["n"], got["seed"]
-                if m == 0:
-                    check_replicas_run_the_same_m(self.layers, M, self.device)
-                self.forward_micro(step, x, m, M, n, is_checkpointed(self.checkpoint, m, M), could_require)
-                m += 1
-            commit_deferred_batch_norm(self.layers)
-            where[0] = None
-            output = join_outputs(step, batch_dim) if self.is_last else None
-            output = share_output(output, output_mode, self.links, self.num_stages, self.device)
-            if self.links is not None and output_mode == "last":  # else the shared output told how the phase ended
-                with self.timeline.record("status"):
-                    self.links.check_status()
-        return step, output
-
-    def backward(
-        self, step: Step, grad_output: Any, output_mode: OutputMode, drained: Callable[[], None] | None = None
-    ) -> None:
-        """The backward phase: the micro-batches of ``step`` in reverse, each recomputed first if checkpointed;
-        ``drained`` runs once this stage's gradients are complete, before the status check waits for the others."""
-        links = self.links
-        with self.failures.phase("backward", output_mode) as where:
-            last_grads = output_grads(step, grad_output, self.batch_dim) if self.is_last else None
-            input_grads: list[list[torch.Tensor]] = [[] for _ in step.micro]
-            for m in backward_order(len(step.micro)):
-                where[0] = m
-                grads = last_grads[m] if last_grads is not None else []
-                self.backward_micro(step, m, input_grads, partial(_marked_pairs, grads=grads))
-            where[0] = None
-            if self.is_first and step.input_leaves:
-                torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, self.batch_dim))
-            if drained is not None:
-                drained()
-            if links is not None:
-                with self.timeline.record("status"):
-                    links.check_status()
-        if links is not None:
-            links.transport.wait_sends()
+    def receive(self, m: int, training: bool) -> tuple[Any, dict[str, Any]]:
+        """Micro-batch m's input from the previous stage, with its header's fields."""
+        return self.peers().receive(m, training, self.prev_rank, self.index, self.chunk)
 
     def forward_micro(
         self,
@@ -220,7 +181,7 @@ class Executor:
         # The split only matters where a graph is recorded: a recomputed micro-batch's CPU forward records none.
         defer = not (ckpt and self.device.type == "cpu")
         split = weights.deferring(m) if weights is not None and defer else contextlib.nullcontext()
-        with self.timeline.record("forward", m), deferred_statistics(), graph, split:
+        with self.timeline.record("forward", m, chunk=self.chunk), deferred_statistics(), graph, split:
             y = self.run(x, mix(step.seed, m))
         stateful.learn(before)
         check_boundary(y, n, self.batch_dim, self.producer, self.is_last)
@@ -229,8 +190,8 @@ class Executor:
         mb = MicroBatch(x, y, state, marks, buffers=buffers)
         step.sizes.append(n)
         if not self.is_last:
-            fields = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed}
-            mb.metas = self.peers().send(self.index + 1, y, m, requires_grad=marks, **fields)
+            fields = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed, "stage": self.index}
+            mb.metas = self.peers().send(self.next_rank, y, m, self.chunk, requires_grad=marks, **fields)
             if ckpt:
                 mb.output = None
         step.micro.append(mb)
@@ -249,14 +210,15 @@ class Executor:
         the deferred weight gradients wait for :meth:`weight_micro`."""
         mb = step.micro[m]
         pending = None
+        c = self.chunk
         if not self.is_last:
             expect = [meta for meta, mark in zip(mb.metas, mb.marks) if mark]
             what = f"micro-batch {m}'s output gradient"
-            pending = self.peers().transport.post_recv(self.index + 1, what, expect=expect)
+            pending = self.peers().transport.post_recv(self.next_rank, what, expect=expect)
         y = mb.output
         if mb.state is not None:
             with (
-                self.timeline.record("recompute", m),
+                self.timeline.record("recompute", m, chunk=c),
                 mb.state.restore(),
                 self.stateful_buffers.replay(mb.buffers),
                 recomputing(),
@@ -265,62 +227,140 @@ class Executor:
             ):
                 y = self.run(mb.input, mix(step.seed, m))
         if pending is not None:
-            with self.timeline.record("recv-wait", m):
-                grads, _ = pending.wait()
+            with self.timeline.record("recv-wait", m, chunk=c):
+                grads, fields = pending.wait()
+            check_header(fields, m, self.index + 1, self.index, "output gradient")
             pairs = _marked_pairs(y, mb.marks, grads)
         else:
             pairs = roots(y, mb.marks)
-        with self.timeline.record("backward" if weights is None else "backward-input", m):
+        with self.timeline.record("backward" if weights is None else "backward-input", m, chunk=c):
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         leaves = [t for t in tensors(mb.input) if t.requires_grad]
         grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
         step.micro[m] = MicroBatch(None, None, None, [])  # free this micro-batch's memory now
         if not self.is_first:
-            self.peers().send(self.index - 1, grads_in, m, requires_grad=[False] * len(grads_in))
+            marks = [False] * len(grads_in)
+            self.peers().send(self.prev_rank, grads_in, m, c, requires_grad=marks, m=m, stage=self.index)
         else:
             input_grads[m] = grads_in
 
     def weight_micro(self, m: int, weights: WeightGrads) -> None:
         """W m: micro-batch m's deferred weight gradients into ``.grad``."""
-        with self.timeline.record("backward-weight", m):
+        with self.timeline.record("backward-weight", m, chunk=self.chunk):
             weights.run(m)
 
-    def evaluate(self, input: Any, chunks: int, output_mode: OutputMode) -> Any:
-        """A forward-only pipeline (no grad): nothing is kept for a backward phase."""
-        seed = self.seeds.draw()
-        batch_dim = self.batch_dim
-        with (
-            self.failures.phase("evaluation", output_mode) as where,
-            deferred_statistics(),
-            restored_streams(self.device),
-        ):
-            planned = plan_sizes(input, chunks, batch_dim) if self.is_first else []
-            micro_inputs = split_by_sizes(input, planned, batch_dim) if self.is_first else []
-            outs, sizes = [], []
-            m, M = 0, len(micro_inputs)
-            while m < M or (m == 0 and not self.is_first):
+
+def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> tuple[list[Step], Any]:
+    """The forward phase: every micro-batch through this rank's stages (``chunks``, in order), each in order; returns
+    the step of each chunk and the output."""
+    first = chunks[0]
+    seed = first.seeds.draw()
+    batch_dim = first.batch_dim
+    steps = []
+    with first.failures.phase("forward", output_mode) as where, restored_streams(first.device):
+        sizes = plan_sizes(input, M, batch_dim) if first.is_first else []
+        micro_inputs, input_leaves = split_leaves(input, sizes, batch_dim) if first.is_first else ([], [])
+        M = len(micro_inputs)
+        for s in chunks:
+            could_require = any(p.requires_grad for p in s.layers.parameters())
+            step = Step([], input_leaves=input_leaves if s.is_first else [], seed=seed)
+            s.stateful_buffers.begin()
+            m = 0
+            while m < M or (m == 0 and not s.is_first):
                 where[0] = m
-                if self.is_first:
-                    x, n = micro_inputs[m], planned[m]
+                if s.is_first:
+                    x, n = micro_inputs[m], sizes[m]
                 else:
-                    x, got = self.peers().receive(m, training=False)
+                    x, got = s.receive(m, training=True)
+                    M, n, step.seed = got["M"], got["n"], got["seed"]
+                if m == 0:
+                    check_replicas_run_the_same_m(s.layers, M, s.device)
+                s.forward_micro(step, x, m, M, n, is_checkpointed(s.checkpoint, m, M), could_require)
+                m += 1
+            commit_deferred_batch_norm(s.layers)
+            steps.append(step)
+        where[0] = None
+        last = chunks[-1]
+        output = join_outputs(steps[-1], batch_dim) if last.is_last else None
+        output = share_output(output, output_mode, first.links, first.ranks, first.device)
+        if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
+            with first.timeline.record("status"):
+                first.links.check_status()
+    return steps, output
+
+
+def backward_phase(
+    chunks: Sequence[Executor],
+    steps: Sequence[Step],
+    grad_output: Any,
+    output_mode: OutputMode,
+    drained: Callable[[], None] | None = None,
+) -> None:
+    """The backward phase: the micro-batches of each chunk's step in reverse, the last chunk first, each recomputed
+    first if checkpointed; ``drained`` runs once this rank's gradients are complete, before the status check waits
+    for the others."""
+    first = chunks[0]
+    links = first.links
+    with first.failures.phase("backward", output_mode) as where:
+        for s, step in reversed(list(zip(chunks, steps))):
+            last_grads = output_grads(step, grad_output, s.batch_dim) if s.is_last else None
+            input_grads: list[list[torch.Tensor]] = [[] for _ in step.micro]
+            for m in backward_order(len(step.micro)):
+                where[0] = m
+                grads = last_grads[m] if last_grads is not None else []
+                s.backward_micro(step, m, input_grads, partial(_marked_pairs, grads=grads))
+            if s.is_first and step.input_leaves:
+                torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, s.batch_dim))
+        where[0] = None
+        if drained is not None:
+            drained()
+        if links is not None:
+            with first.timeline.record("status"):
+                links.check_status()
+    if links is not None:
+        links.transport.wait_sends()
+
+
+def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> Any:
+    """A forward-only pipeline (no grad) through this rank's stages in order: nothing is kept for a backward phase."""
+    first = chunks[0]
+    seed = first.seeds.draw()
+    batch_dim = first.batch_dim
+    with (
+        first.failures.phase("evaluation", output_mode) as where,
+        deferred_statistics(),
+        restored_streams(first.device),
+    ):
+        planned = plan_sizes(input, M, batch_dim) if first.is_first else []
+        inputs = split_by_sizes(input, planned, batch_dim) if first.is_first else []
+        M = len(inputs)
+        for s in chunks:
+            outs, sizes = [], []
+            m = 0
+            while m < M or (m == 0 and not s.is_first):
+                where[0] = m
+                if s.is_first:
+                    x, n = inputs[m], planned[m]
+                else:
+                    x, got = s.receive(m, training=False)
                     M, n, seed = got["M"], got["n"], got["seed"]
-                with self.timeline.record("forward", m):
-                    y = self.run(x, mix(seed, m), copy=False)
-                check_boundary(y, n, batch_dim, self.producer, self.is_last)
+                with s.timeline.record("forward", m, chunk=s.chunk):
+                    y = s.run(x, mix(seed, m), copy=False)
+                check_boundary(y, n, batch_dim, s.producer, s.is_last)
                 sizes.append(n)
-                if self.is_last:
+                if s.is_last:
                     outs.append(y)
                 else:
-                    self.peers().send(self.index + 1, y, m, m=m, M=M, n=n, training=False, seed=seed)
+                    fields = {"m": m, "M": M, "n": n, "training": False, "seed": seed, "stage": s.index}
+                    s.peers().send(s.next_rank, y, m, s.chunk, **fields)
                 m += 1
-            commit_deferred_batch_norm(self.layers)
-            where[0] = None
-            output = join(outs, batch_dim, sizes) if self.is_last else None
-            output = share_output(output, output_mode, self.links, self.num_stages, self.device)
-            if self.links is not None and output_mode == "last":  # else the shared output told how the phase ended
-                self.links.check_status()
-        if self.links is not None:
-            self.links.transport.wait_sends()
-        return output
+            commit_deferred_batch_norm(s.layers)
+        where[0] = None
+        output = join(outs, batch_dim, sizes) if chunks[-1].is_last else None
+        output = share_output(output, output_mode, first.links, first.ranks, first.device)
+        if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
+            first.links.check_status()
+    if first.links is not None:
+        first.links.transport.wait_sends()
+    return output

@@ -21,9 +21,12 @@ class FailureHandler:
     others learn that the last stage failed).
     """
 
-    def __init__(self, index: int, num_stages: int, links: Links | None, timeline: Timeline) -> None:
+    def __init__(
+        self, index: int, num_stages: int, links: Links | None, timeline: Timeline, ring: bool = False
+    ) -> None:
         self._index = index
         self._num_stages = num_stages
+        self._ring = ring  # interleaving: rank 0 also waits for the last rank and the last rank for rank 0
         self._links = links
         self._timeline = timeline
         self._broken: PipelineError | None = None
@@ -79,8 +82,10 @@ class FailureHandler:
         # Before queuing the error notices: dropping a gloo send's handle cancels it. A silent peer reads nothing.
         links.transport.abandon_sends(grace_s=0.0 if isinstance(err, PipelineTimeout) else 2.0)
         # Wake the neighbours that may wait for this stage; whoever receives it passes it on.
-        for dst in (self._index - 1, self._index + 1):
-            if 0 <= dst < self._num_stages and dst != err.via:
+        K, k = self._num_stages, self._index
+        neighbours = {(k - 1) % K, (k + 1) % K} if self._ring else {k - 1, k + 1}
+        for dst in sorted(neighbours):
+            if 0 <= dst < K and dst != k and dst != err.via:
                 self._notify(links, dst, err)
         last = self._index == self._num_stages - 1
         if last and output_mode != "last" and phase in ("forward", "evaluation"):

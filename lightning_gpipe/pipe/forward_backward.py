@@ -1,9 +1,11 @@
 """A training step with the loss inside the pipeline: each rank runs its schedule's actions, the loss on the last stage.
 
 The schedules are data (``pipe.schedules``: each rank's ordered actions, drawn there); this executor runs the ones
-marked runnable, "gpipe" and "1f1b" (F m and B m on one chunk per rank) and "zb-h1" (B m split into I m and W m:
+marked runnable, "gpipe" and "1f1b" (F m and B m on one chunk per rank), "zb-h1" (B m split into I m and W m:
 ``pipe.weight_grad`` defers the weight gradients of the micro-batch's linear, convolution and embedding ops from I to
-W), after ``pipe.simulator`` checked them (once per schedule, K and M) in the transport's communicator layout under
+W) and "interleaved-1f1b" (F m and B m on each of the rank's v chunks, one executor per chunk: chunk c of rank r is
+stage cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk c + 1, and its gradient comes back),
+after ``pipe.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout under
 NCCL's ordering rules.
 
 Each stage runs its actions in order. Sends never block the host; a forward waits for its input and a backward for
@@ -11,14 +13,14 @@ its output gradient (posted before the recompute, which fills the wait, as in th
 Re-materialization ``except_last`` generalizes to: keep the graph of micro-batch m when its backward is the next
 action after its forward (recomputing it would only delay that backward) -- every micro-batch on the last stage,
 which therefore holds one micro-batch's output at a time (under "zb-h1" the I is that backward: a recompute serves
-both halves, as W needs only what I kept). Deferred BatchNorm statistics are committed after the stage's last
+both halves, as W needs only what I kept). Deferred BatchNorm statistics are committed after each chunk's last
 forward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 from typing import Any, Literal, get_args
 
@@ -34,7 +36,7 @@ from lightning_gpipe.pipe.simulator import simulate
 from lightning_gpipe.pipe.weight_grad import WeightGrads
 
 # The schedules this executor runs: the registry's runnable ones (pipe.schedules.SCHEDULES holds them all).
-ScheduleName = Literal["gpipe", "1f1b", "zb-h1"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 # The last stage's loss of one micro-batch: (its output, m) -> a scalar tensor to back-propagate.
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -47,47 +49,56 @@ def validate_schedule(name: str) -> ScheduleName:
     raise ValueError(f"schedule={name!r} is not one of {list(SCHEDULES)}")
 
 
+def check_schedule(schedule: ScheduleName, K: int, M: int, v: int) -> None:
+    """The registry's clear ValueError when ``schedule`` refuses v chunks per rank, or M micro-batches on K ranks."""
+    lookup(schedule).actions(K, M, v)
+
+
 @lru_cache(maxsize=64)
-def rank_actions(schedule: ScheduleName, K: int, M: int) -> tuple[tuple[Action, ...], ...]:
+def rank_actions(schedule: ScheduleName, K: int, M: int, v: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Every rank's actions under ``schedule``, once the simulator found them valid and free of deadlocks."""
     spec = lookup(schedule)
     assert spec.runnable, f"the executor does not run {schedule!r}: validate_schedule admits only {SCHEDULES}"
-    actions = [fuse_halves(ops) for ops in spec.actions(K, M)]
-    simulate(actions, K)
+    actions = [fuse_halves(ops) for ops in spec.actions(K, M, v)]
+    simulate(actions, K, v)
     return tuple(tuple(ops) for ops in actions)
 
 
 def forward_backward(
-    s: Executor,
+    chunks: Sequence[Executor],
     input: Any,
-    chunks: int,
+    micro_batches: int,
     loss_fn: LossFn,
     schedule: ScheduleName,
     drained: Callable[[], None] | None = None,
     before_last_backward: Callable[[], None] | None = None,
 ) -> list[torch.Tensor]:
-    """Forward and backward of every micro-batch on stage ``s.index``, in ``schedule``'s order (drawn above).
+    """Forward and backward of every micro-batch on this rank's stages, in ``schedule``'s order (drawn above).
 
-    ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` for each micro-batch and
+    ``chunks`` are the rank's stages, one executor each (several with interleaving: rank r holds stages r, r + K,
+    …). ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` for each micro-batch and
     back-propagates the scalar it returns at once; it returns those scalars, detached (the others return []).
-    ``drained`` runs once this stage's gradients are complete, before the check that every stage finished;
-    ``before_last_backward`` right before this stage's last backward op, after which its gradients are final (a W
+    ``drained`` runs once this rank's gradients are complete, before the check that every stage finished;
+    ``before_last_backward`` right before this rank's last backward op, after which its gradients are final (a W
     under "zb-h1": the gradients that I gives are final before it, the deferred ones come in it).
     """
-    seed = s.seeds.draw()
+    first, v = chunks[0], len(chunks)
+    K, r = first.ranks, first.index
+    seed = first.seeds.draw()
     losses: list[torch.Tensor] = []
-    with s.failures.phase("train", "last") as where, restored_streams(s.device):
-        sizes = plan_sizes(input, chunks, s.batch_dim) if s.is_first else []
-        micro_inputs, input_leaves = split_leaves(input, sizes, s.batch_dim) if s.is_first else ([], [])
-        could_require = any(p.requires_grad for p in s.layers.parameters())
-        step = Step([], input_leaves=input_leaves, seed=seed)
-        s.stateful_buffers.begin()
-        ops = rank_actions(schedule, s.num_stages, len(sizes))[s.index] if s.is_first else None
+    with first.failures.phase("train", "last") as where, restored_streams(first.device):
+        sizes = plan_sizes(input, micro_batches, first.batch_dim) if first.is_first else []
+        micro_inputs, input_leaves = split_leaves(input, sizes, first.batch_dim) if first.is_first else ([], [])
+        could_require = [any(p.requires_grad for p in s.layers.parameters()) for s in chunks]
+        steps = [Step([], input_leaves=input_leaves if s.is_first else [], seed=seed) for s in chunks]
+        for s in chunks:
+            s.stateful_buffers.begin()
+        ops = rank_actions(schedule, K, len(sizes), v)[r] if first.is_first else None
         input_grads: list[list[torch.Tensor]] = [[] for _ in sizes]
-        weights: WeightGrads | None = None
+        weights: list[WeightGrads | None] = [None] * v
 
         def roots(y: Any, marks: list[bool], m: int) -> Pairs:
-            with s.timeline.record("loss", m):
+            with first.timeline.record("loss", m):
                 loss = loss_fn(y, m)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"the loss of micro-batch {m} must be a scalar tensor, got {_describe(loss)}")
@@ -97,24 +108,25 @@ def forward_backward(
         pos, hooks = 0, contextlib.ExitStack()
         with hooks:  # zb-h1's, removed however the loop ends
             while ops is None or pos < len(ops):
-                kind, m, _ = ops[pos] if ops is not None else Action("F", 0)
+                kind, m, c = ops[pos] if ops is not None else Action("F", 0)
+                s, step = chunks[c], steps[c]
                 where[0] = m
                 if kind == "F":
                     if s.is_first:
                         x, n, M = micro_inputs[m], sizes[m], len(sizes)
                     else:
-                        x, got = s.peers().receive(m, training=True)
+                        x, got = s.receive(m, training=True)
                         M, n, step.seed = got["M"], got["n"], got["seed"]
-                    if ops is None:  # the first header told this stage M
-                        ops = rank_actions(schedule, s.num_stages, M)[s.index]
+                    if ops is None:  # the first header told this rank M
+                        ops = rank_actions(schedule, K, M, v)[r]
                         input_grads = [[] for _ in range(M)]
                     if m == 0:
                         check_replicas_run_the_same_m(s.layers, M, s.device)
-                        weights = WeightGrads(s.layers) if any(a.kind == "W" for a in ops) else None
-                        if weights is not None:
-                            hooks.callback(weights.close)
-                    keep = keeps_graph(s.checkpoint, ops, m)
-                    s.forward_micro(step, x, m, M, n, not keep, could_require, weights)
+                        if any(a.kind == "W" for a in ops):
+                            weights[c] = split = WeightGrads(s.layers)
+                            hooks.callback(split.close)
+                    keep = keeps_graph(s.checkpoint, ops, m, c)
+                    s.forward_micro(step, x, m, M, n, not keep, could_require[c], weights[c])
                     if not keep:
                         step.micro[m].output = None  # the last stage too: recomputed right before its backward
                     if m == M - 1:
@@ -123,21 +135,22 @@ def forward_backward(
                     if before_last_backward is not None and ops is not None and pos == len(ops) - 1:
                         before_last_backward()
                     if kind == "W":
-                        assert weights is not None, "a W follows its F"
-                        s.weight_micro(m, weights)
+                        chunk_weights = weights[c]
+                        assert chunk_weights is not None, "a W follows its F"
+                        s.weight_micro(m, chunk_weights)
                     else:
-                        s.backward_micro(step, m, input_grads, partial(roots, m=m), weights)
+                        s.backward_micro(step, m, input_grads, partial(roots, m=m), weights[c])
                 pos += 1
         where[0] = None
-        if s.is_first and step.input_leaves:
-            torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, s.batch_dim))
+        if first.is_first and steps[0].input_leaves:
+            torch.autograd.backward(steps[0].input_leaves, join_input_grads(input_grads, first.batch_dim))
         if drained is not None:
             drained()
-        if s.links is not None:
-            with s.timeline.record("status"):
-                s.links.check_status()
-    if s.links is not None:
-        s.links.transport.wait_sends()
+        if first.links is not None:
+            with first.timeline.record("status"):
+                first.links.check_status()
+    if first.links is not None:
+        first.links.transport.wait_sends()
     return losses
 
 

@@ -1,4 +1,4 @@
-"""A traced step as a PNG Gantt chart: one row per stage, F/R/B (I/W) blocks by micro-batch, waits below, the bubble."""
+"""A traced step as a PNG Gantt chart: one row per stage, F/R/B (I/W) blocks by micro-batch (and chunk), waits below."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_gpipe.pipe.trace import COMMUNICATION, Event
+from lightning_gpipe.pipe.trace import COMMUNICATION, Event, chunk_letter
 from lightning_gpipe.pipe.trace_stats import breakdown
 
 # Compute on the upper band of a stage's row; waits, sends and reductions on a thin band below it.
@@ -25,6 +25,13 @@ COLORS = {
 }
 LETTERS = {"forward": "F", "recompute": "R", "backward": "B", "backward-input": "I", "backward-weight": "W"}
 LOWER = (*COMMUNICATION, "status")
+
+
+def block_label(e: Event) -> str:
+    """A compute block's text as schedules draw it: F3, R3, B3, I3, W3; interleaved, with the chunk: F3b.
+    Empty for what is not one micro-batch's compute."""
+    letter = LETTERS.get(e.kind)
+    return f"{letter}{e.micro_batch}{chunk_letter(e.chunk)}" if letter and e.micro_batch >= 0 else ""
 
 
 def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str = "") -> dict[str, Any]:
@@ -55,10 +62,10 @@ def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str =
         lower = e.kind in LOWER
         y, h = (row + 0.3, 0.18) if lower else (row - 0.3, 0.55)
         ax.broken_barh([(x, w)], (y, h), facecolors=COLORS[e.kind], edgecolor="white", linewidth=0.4)
-        letter = LETTERS.get(e.kind)
+        text = block_label(e)
         # Label a block only where its text fits (about 0.8 % of the span per character).
-        if letter and e.micro_batch >= 0 and w > 0.008 * span_ms * (1 + len(str(e.micro_batch))):
-            ax.text(x + w / 2, row - 0.3 + h / 2, f"{letter}{e.micro_batch}", ha="center", va="center", fontsize=7)
+        if text and w > 0.008 * span_ms * len(text):
+            ax.text(x + w / 2, row - 0.3 + h / 2, text, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(stages)), [f"stage {k}" for k in stages])
     ax.set_ylim(len(stages) - 0.4, -0.5)
     ax.set_xlim(0, span_ms)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -49,11 +49,13 @@ class LayerIndex:
     never registered, so state dicts and named_modules only ever see this stage's own layers.
     """
 
-    def __init__(self, module: nn.Sequential, balance: list[int], index: int) -> None:
+    def __init__(self, module: nn.Sequential, balance: list[int], index: int, stages: Sequence[int] = ()) -> None:
         self._names = list(module._modules)
         self._kinds = [type(layer).__name__ for layer in module]
         self._balance = balance
         self._index = index
+        # The stages this rank holds: ``index`` alone, or its chunks with interleaving (balance has a count per chunk).
+        self._stages = list(stages) or [index]
         self._remote: dict[int, RemoteLayer] = {}
 
     def __len__(self) -> int:
@@ -80,13 +82,24 @@ class LayerIndex:
         return self._remote[i]
 
     @property
+    def layer_ranges(self) -> list[range]:
+        """The global indices of the layers of each stage this rank holds (one, or one per chunk)."""
+        return [range(sum(self._balance[:s]), sum(self._balance[: s + 1])) for s in self._stages]
+
+    @property
     def layer_range(self) -> range:
         """The global indices of the layers this stage holds."""
-        start = sum(self._balance[: self._index])
-        return range(start, start + self._balance[self._index])
+        ranges = self.layer_ranges
+        if len(ranges) > 1:
+            raise RuntimeError(
+                f"this rank holds {len(ranges)} chunks (virtual_stages), not one range of layers: use layer_ranges"
+            )
+        return ranges[0]
 
     def _where(self, i: int) -> str:
         owner = next(k for k in range(len(self._balance)) if i < sum(self._balance[: k + 1]))
-        mine = self.layer_range
-        held = f"layer {mine[0]}" if len(mine) == 1 else f"layers {mine[0]}–{mine[-1]}"
-        return f"{self.label(i)} is on stage {owner}; this rank is stage {self._index} and holds {held}"
+        held = ", ".join(f"layer {r[0]}" if len(r) == 1 else f"layers {r[0]}–{r[-1]}" for r in self.layer_ranges)
+        if len(self._stages) == 1:
+            return f"{self.label(i)} is on stage {owner}; this rank is stage {self._index} and holds {held}"
+        K = len(self._balance) // len(self._stages)
+        return f"{self.label(i)} is on rank {owner % K} (stage {owner}); this rank is {self._index} and holds {held}"

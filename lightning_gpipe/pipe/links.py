@@ -18,27 +18,29 @@ class Links:
         self.index = index
         self.timeline = timeline
 
-    def send(self, dst: int, obj: Any, micro_batch: int, **kwargs: Any) -> list[TensorMeta]:
+    def send(self, dst: int, obj: Any, micro_batch: int, chunk: int = -1, **kwargs: Any) -> list[TensorMeta]:
         """Queue ``obj`` for stage ``dst`` (see :meth:`Transport.send`) and drop the sends already received."""
-        with self.timeline.record("send", micro_batch):
+        with self.timeline.record("send", micro_batch, chunk=chunk):
             metas = self.transport.send(dst, obj, **kwargs)
             self.transport.retire_sends()
         return metas
 
-    def receive(self, m: int, training: bool) -> tuple[Any, dict[str, Any]]:
-        """Micro-batch m's input from the previous stage, with its header fields: M, its size n, the step seed."""
-        with self.timeline.record("recv-wait", m):
-            x, fields = self.transport.recv(self.index - 1, f"micro-batch {m}'s input")
-        if fields["m"] != m:  # gloo matches by order alone: a stage on another schedule would get the wrong data
-            raise RuntimeError(
-                f"stage {self.index} waited for micro-batch {m}'s input and got micro-batch {fields['m']}'s from "
-                f"stage {self.index - 1}: the stages run their micro-batches in different orders (every stage must "
-                "run the same schedule, with the same M)"
-            )
+    def receive(
+        self, m: int, training: bool, src: int | None = None, stage: int | None = None, chunk: int = -1
+    ) -> tuple[Any, dict[str, Any]]:
+        """Micro-batch m's input from the previous stage, with its header fields: M, its size n, the step seed.
+
+        With several chunks per rank (interleaving) the previous stage ``stage - 1`` is on rank ``src``; by default
+        this rank is stage ``index`` and the previous one is rank ``index - 1``."""
+        src = self.index - 1 if src is None else src
+        stage = self.index if stage is None else stage
+        with self.timeline.record("recv-wait", m, chunk=chunk):
+            x, fields = self.transport.recv(src, f"micro-batch {m}'s input")
+        check_header(fields, m, stage - 1, stage, "input")
         if fields["training"] != training:
             modes = {True: "a training forward phase (grad enabled)", False: "a forward-only pass (no grad)"}
             raise RuntimeError(
-                f"stage {self.index - 1} ran {modes[fields['training']]} while stage {self.index} ran "
+                f"stage {stage - 1} ran {modes[fields['training']]} while stage {stage} ran "
                 f"{modes[training]}; every stage must call the pipelined module in the same grad mode"
             )
         return x, fields
@@ -52,3 +54,16 @@ class Links:
     def check_status(self) -> None:
         """Return once every stage finished the phase; raise the failure of a stage that did not."""
         self.status.check(None, self.transport.unreceived)
+
+
+def check_header(fields: dict[str, Any], m: int, sender: int, receiver: int, what: str) -> None:
+    """The message stage ``receiver`` got is micro-batch m's ``what`` from stage ``sender``, as its header says."""
+    # gloo matches by order alone: a stage on another schedule (or with other chunks) would get the wrong data.
+    got_m, got_stage = fields.get("m", m), fields.get("stage", sender)
+    if (got_m, got_stage) != (m, sender):
+        instead = f" instead of stage {sender}'s" if got_stage != sender else ""
+        raise RuntimeError(
+            f"stage {receiver} waited for micro-batch {m}'s {what} and got micro-batch {got_m}'s from stage "
+            f"{got_stage}{instead}: the stages run their micro-batches in different orders (every stage must run the "
+            "same schedule, with the same M and the same virtual_stages)"
+        )

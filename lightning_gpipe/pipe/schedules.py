@@ -187,6 +187,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "1F1B over v chunks per rank (stages r, r + K, …): the bubble divided by v",
             v_min=2,
             v_max=None,
+            runnable=True,
             example=(2, 4, 2),
         ),
         ScheduleSpec(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -14,13 +15,33 @@ from torch import nn
 from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.pipe.buffers import StatefulBuffers
-from lightning_gpipe.pipe.executor import Checkpoint, Executor, validate_checkpoint
+from lightning_gpipe.pipe.chunks import (
+    ChunkLayers,
+    agree_on_chunks,
+    check_virtual_stages,
+    held_stages,
+    shared_over_ranks,
+)
+from lightning_gpipe.pipe.executor import (
+    Checkpoint,
+    Executor,
+    backward_phase,
+    evaluate,
+    forward_phase,
+    validate_checkpoint,
+)
 from lightning_gpipe.pipe.failures import FailureHandler
-from lightning_gpipe.pipe.forward_backward import LossFn, ScheduleName, forward_backward, validate_schedule
+from lightning_gpipe.pipe.forward_backward import (
+    LossFn,
+    ScheduleName,
+    check_schedule,
+    forward_backward,
+    validate_schedule,
+)
 from lightning_gpipe.pipe.indexing import LayerIndex, RemoteLayer
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.microbatch import plan_sizes
-from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, stage_layers
+from lightning_gpipe.pipe.partition import Balance, stage_layers
 from lightning_gpipe.pipe.records import OutputMode, Step, validate_output_mode
 from lightning_gpipe.pipe.rng import mix, name_key, reseed
 from lightning_gpipe.pipe.status import StatusCheck
@@ -69,6 +90,10 @@ class GPipeStage(nn.Module):
         device: where received tensors go (default: the current CUDA device with NCCL, else the CPU).
         timeout: seconds to wait for a peer before raising :class:`PipelineTimeout`.
         timeline: record per-micro-batch events in ``self.timeline``.
+        virtual_stages: v, the chunks of layers each rank holds: the backbone is split into vK stages (``balance``
+            gives vK counts, or is solved for vK parts) and rank r holds the non-adjacent stages r, r + K, …, for
+            ``forward_backward(schedule="interleaved-1f1b")``, whose bubble is 1F1B's divided by v. The phases of
+            ``stage(x)`` and ``backward()`` run the chunks one after the other. Default 1: one stage per rank.
     """
 
     def __init__(
@@ -88,6 +113,7 @@ class GPipeStage(nn.Module):
         device: torch.device | str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         timeline: bool = False,
+        virtual_stages: int = 1,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -113,22 +139,24 @@ class GPipeStage(nn.Module):
             backend = dist.get_backend(groups[0]) if groups else "gloo"
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._device = torch.device(device)
-        self._balance = agree_on_balance(
-            module, self._num_stages, balance, sample=sample, group=groups[1] if groups else None
-        )
-        layers = stage_layers(module, self._balance, self._index)
-        self._layer_index = LayerIndex(module, self._balance, self._index)
-        # Tied weights used on several stages: (first name, stages, the name of one of its uses on this stage).
-        self._shared_names: list[tuple[str, tuple[int, ...], str | None]] = [
-            (name, stages, local_name(layers, module.get_parameter(name)) if self._index in stages else None)
-            for name, stages in shared_parameters(module, self._balance)
-        ]
+        K, r = self._num_stages, self._index
+        v = self._virtual_stages = check_virtual_stages(virtual_stages, K)
+        self._balance = agree_on_chunks(module, K, v, balance, sample, groups[1] if groups else None)
+        stages = held_stages(r, K, v)
+        chunk_layers = [stage_layers(module, self._balance, s) for s in stages]
+        layers = [pair for chunk in chunk_layers for pair in chunk]
+        self._layer_index = LayerIndex(module, self._balance, r, stages)
+        self._shared_names = shared_over_ranks(module, self._balance, K, r, layers)
         for name, layer in layers:
             self.add_module(name, convert_deferred_batch_norm(layer) if deferred_batch_norm else layer)
         self._name_keys = {name: name_key(name) for name, _ in layers}
-        self._stateful_buffers = StatefulBuffers(self)
+        # Interleaved: each chunk runs, normalizes and watches its own layers; otherwise the stage is its one chunk.
+        self._chunk_layers = [ChunkLayers([name for name, _ in chunk]) for chunk in chunk_layers] if v > 1 else []
+        self._refresh_chunks()
+        owners: list[nn.Module] = [*self._chunk_layers] or [self]
+        self._stateful_buffers = [StatefulBuffers(owner) for owner in owners]
         self._forward_only_calls = 0
-        self._step: Step | None = None
+        self._steps: list[Step] | None = None
         self._timeline = Timeline(self._index, enabled=timeline, device=self._device)
         links = None
         if groups:
@@ -137,21 +165,27 @@ class GPipeStage(nn.Module):
                 groups[0], device=self._device, timeout=wait, header_group=groups[1], upstream_group=groups[2]
             )
             links = Links(transport, StatusCheck(groups[1], self._index, wait), self._index, self._timeline)
-        self._failures = FailureHandler(self._index, self._num_stages, links, self._timeline)
-        self._executor = Executor(
-            self,
-            self._run,
-            index=self._index,
-            num_stages=self._num_stages,
-            checkpoint=checkpoint,
-            batch_dim=batch_dim,
-            device=self._device,
-            producer=self._layer_index.label(self._layer_index.layer_range[-1]),
-            stateful_buffers=self._stateful_buffers,
-            failures=self._failures,
-            links=links,
-            timeline=self._timeline,
-        )
+        self._failures = FailureHandler(self._index, self._num_stages, links, self._timeline, ring=v > 1)
+        self._executors = [
+            Executor(
+                owner,
+                self._run if owner is self else partial(self._run, names=self._chunk_layers[c].names),
+                index=stages[c],
+                num_stages=K * v,
+                checkpoint=checkpoint,
+                batch_dim=batch_dim,
+                device=self._device,
+                producer=self._layer_index.label(self._layer_index.layer_ranges[c][-1]),
+                stateful_buffers=self._stateful_buffers[c],
+                failures=self._failures,
+                links=links,
+                timeline=self._timeline,
+                ranks=K,
+                chunk=c if v > 1 else -1,
+            )
+            for c, owner in enumerate(owners)
+        ]
+        self._executor = self._executors[0]
 
     # ----------------------------------------------------------------------------------------------- properties
     @property
@@ -162,7 +196,8 @@ class GPipeStage(nn.Module):
     @property
     def shared(self) -> list[tuple[str, tuple[int, ...], nn.Parameter | None]]:
         """Weights tied across stages, whose gradients must be summed over the stages that hold them: (name in the
-        whole model, stages holding it, this stage's copy or None). Looked up now, as materializing a model built on
+        whole model, the stages (ranks) holding it, this stage's copy or None); a weight tied across chunks of one
+        rank only is one parameter there, not listed. Looked up now, as materializing a model built on
         the meta device replaces its parameters."""
         return [
             (name, stages, None if local is None else self.get_parameter(local))
@@ -188,6 +223,7 @@ class GPipeStage(nn.Module):
 
     @property
     def balance(self) -> list[int]:
+        """Layers per stage: K counts, or with interleaving vK, one per chunk (stage c·K + r is rank r's chunk c)."""
         return list(self._balance)
 
     @property
@@ -211,7 +247,10 @@ class GPipeStage(nn.Module):
     def buffers_changed_in_forward(self) -> list[str]:
         """Buffers (global names) that this stage's layers changed in a training forward phase so far: they are
         snapshotted for each recompute and restored after it, so re-materialization never changes them twice."""
-        return self._stateful_buffers.changed
+        if len(self._stateful_buffers) == 1:
+            return self._stateful_buffers[0].changed
+        changed = {name for buffers in self._stateful_buffers for name in buffers.changed}
+        return [name for name, _ in self.named_buffers(remove_duplicate=False) if name in changed]
 
     @property
     def forward_only_calls(self) -> int:
@@ -222,7 +261,7 @@ class GPipeStage(nn.Module):
     @property
     def pending(self) -> bool:
         """True between a training forward phase and its backward()."""
-        return self._step is not None
+        return self._steps is not None
 
     # --------------------------------------------------------------------------- indexing by global layer index
     def __len__(self) -> int:
@@ -243,17 +282,31 @@ class GPipeStage(nn.Module):
 
     @property
     def layer_range(self) -> range:
-        """The global indices of the layers this stage holds."""
+        """The global indices of the layers this stage holds (with one chunk per rank)."""
         return self._layer_index.layer_range
 
+    @property
+    def layer_ranges(self) -> list[range]:
+        """The global indices of the layers of each chunk this rank holds (one range unless interleaved)."""
+        return self._layer_index.layer_ranges
+
+    @property
+    def virtual_stages(self) -> int:
+        """v, the chunks each rank holds: rank r holds stages r, r + K, …, r + (v−1)K of the vK."""
+        return self._virtual_stages
+
+    def _refresh_chunks(self) -> None:
+        for chunk in self._chunk_layers:
+            chunk.refresh(self._modules)
+
     # ----------------------------------------------------------------------------------------------------- phases
-    def _run(self, x: Any, seed: int, copy: bool = True) -> Any:
+    def _run(self, x: Any, seed: int, copy: bool = True, names: list[str] | None = None) -> Any:
         """This stage's layers on one micro-batch; each layer's randomness seeded by ``seed`` (see ``rng``)."""
         # A training boundary input is kept for the recompute and may be a leaf that requires grad: an in-place
         # first layer (ReLU(inplace=True)) must neither corrupt it nor trip autograd's leaf check, so layers get a copy.
         if copy:
             x = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
-        for name, layer in self._modules.items():
+        for name, layer in self._modules.items() if names is None else ((n, self._modules[n]) for n in names):
             assert layer is not None, f"layer {name} was set to None"
             reseed(mix(seed, self._name_keys[name]), self._device)
             x = layer(x)
@@ -261,26 +314,28 @@ class GPipeStage(nn.Module):
 
     def reset(self) -> None:
         """Forget a forward phase whose backward will not run (e.g. a skipped step); zero forward_only_calls."""
-        self._step = None
+        self._steps = None
         self._forward_only_calls = 0
 
     def forward(self, input: Any = None) -> Any:
         """Forward phase (grad enabled) or forward-only pipeline (no grad); ``input`` is used on stage 0 only."""
         if torch.is_grad_enabled():
-            if self._step is not None:
+            if self._steps is not None:
                 raise RuntimeError(
                     "the pipelined module was called again, with grad, before backward() drained its previous call: "
                     "each call's forward phase must be drained by backward() before the next call (batch several "
                     "inputs into one call); reset() drops a forward phase whose backward will not run"
                 )
-            self._step, output = self._executor.forward(input, self._chunks, self._output_mode)
+            self._refresh_chunks()
+            self._steps, output = forward_phase(self._executors, input, self._chunks, self._output_mode)
             return output
         self._forward_only_calls += 1
         try:
-            return self._executor.evaluate(input, self._chunks, self._output_mode)
+            self._refresh_chunks()
+            return evaluate(self._executors, input, self._chunks, self._output_mode)
         except Exception:
             if self._failures.broken is not None:
-                self._step = None  # a failed pipeline drains no forward phase
+                self._steps = None  # a failed pipeline drains no forward phase
             raise
 
     def backward(self, grad_output: Any = None, drained: Callable[[], None] | None = None) -> None:
@@ -293,10 +348,11 @@ class GPipeStage(nn.Module):
         data-parallel replicas) overlaps the other stages' drain.
         """
         self._failures.check_usable()
-        step, self._step = self._step, None
-        if step is None:
+        steps, self._steps = self._steps, None
+        if steps is None:
             raise RuntimeError("backward() was called without a forward phase to drain: call the module first")
-        self._executor.backward(step, grad_output, self._output_mode, drained)
+        self._refresh_chunks()
+        backward_phase(self._executors, steps, grad_output, self._output_mode, drained)
 
     def forward_backward(
         self,
@@ -317,16 +373,23 @@ class GPipeStage(nn.Module):
         last), ``"1f1b"`` (at most K − k on stage k: less activation memory, the same bubble) or ``"zb-h1"`` (1F1B
         with each backward split: the weight gradients of linear, convolution and embedding ops wait, as
         ``pipe/weight_grad.py`` keeps them, to fill the drain); their times are measured in ``benchmarks/README.md``.
+        ``"interleaved-1f1b"`` needs ``virtual_stages`` ≥ 2 (the others 1): 1F1B over the rank's v chunks, the bubble
+        divided by v, for more activations in flight; ``chunks`` must suit it (see ``pipe/schedules.py``).
         ``drained`` runs once this stage's gradients are complete, before waiting for the other stages;
         ``before_last_backward`` right before the stage's last backward op (e.g. to reduce gradients as they end).
         """
         self._failures.check_usable()
-        if self._step is not None:
+        if self._steps is not None:
             raise RuntimeError(
                 "forward_backward() was called while a forward phase awaits its backward(): drain it first"
             )
         name = validate_schedule(schedule)
-        return forward_backward(self._executor, input, self._chunks, loss_fn, name, drained, before_last_backward)
+        try:  # on every rank before any transfer: each raises the same error
+            check_schedule(name, self._num_stages, self._chunks, self._virtual_stages)
+        except ValueError as e:
+            raise ValueError(f"GPipeStage(virtual_stages={self._virtual_stages}, chunks={self._chunks}): {e}") from e
+        self._refresh_chunks()
+        return forward_backward(self._executors, input, self._chunks, loss_fn, name, drained, before_last_backward)
 
     def train_step(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
         """:meth:`forward_backward`'s name before 0.1.0 (one letter from Lightning's ``training_step``)."""
@@ -343,8 +406,8 @@ class GPipeStage(nn.Module):
 
     def abort(self, exc: BaseException) -> None:
         """Report a failure outside the pipelined module (e.g. in the loss) to every stage, then raise it."""
-        phase = "backward" if self._step is not None else "forward"
-        self._step = None
+        phase = "backward" if self._steps is not None else "forward"
+        self._steps = None
         self._failures.abort(exc, phase, self._output_mode)
 
 

@@ -13,7 +13,8 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import BatchNormBase
 from lightning_gpipe.pipe.executor import CHECKPOINT_MODES
-from lightning_gpipe.pipe.forward_backward import SCHEDULES
+from lightning_gpipe.pipe.forward_backward import SCHEDULES, ScheduleName, check_schedule
+from lightning_gpipe.pipe.schedules import lookup
 from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 from lightning_gpipe.strategy._balance import BALANCE_NAMES
 from lightning_gpipe.strategy._batches import CHECK_BATCHES, DATA_LOADINGS
@@ -34,7 +35,7 @@ def check_arguments(init: Callable[..., None], given: dict[str, Any]) -> dict[st
         a["check_batches"],
         a["balance"],
     )
-    check_loss_path(a["pipeline_loss"], a["schedule"])
+    check_loss_path(a["pipeline_loss"], a["schedule"], a["virtual_stages"])
     if a["data_parallel_reduction"] not in DP_REDUCTIONS:
         raise ValueError(
             f"GPipeStrategy(data_parallel_reduction={a['data_parallel_reduction']!r}): choose one of "
@@ -109,8 +110,9 @@ def take_renamed(init: Callable[..., None], given: dict[str, Any]) -> dict[str, 
     return taken
 
 
-def check_loss_path(pipeline_loss: Any, schedule: Any) -> None:
-    """Where the loss runs, and in which order the micro-batches go when it runs inside the pipeline."""
+def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) -> None:
+    """Where the loss runs, and in which order the micro-batches go when it runs inside the pipeline, over how many
+    chunks per rank."""
     if pipeline_loss not in (True, False, "auto"):
         raise ValueError(
             f"GPipeStrategy(pipeline_loss={pipeline_loss!r}): choose 'auto' (inside the pipeline when the module "
@@ -118,6 +120,36 @@ def check_loss_path(pipeline_loss: Any, schedule: Any) -> None:
         )
     if schedule not in SCHEDULES:
         raise ValueError(f"GPipeStrategy(schedule={schedule!r}): choose one of {list(SCHEDULES)}")
+    v = virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(
+            f"GPipeStrategy(virtual_stages={v!r}): the chunks of the backbone each rank holds, an int ≥ 1 (1: one "
+            "stage per rank; ≥ 2 with schedule='interleaved-1f1b')"
+        )
+    spec = lookup(schedule)
+    if not spec.accepts(v):
+        fix = "schedule='interleaved-1f1b'" if v > 1 else "virtual_stages=2 or more (or another schedule)"
+        raise ValueError(
+            f"GPipeStrategy(schedule={schedule!r}, virtual_stages={v}): {schedule!r} runs "
+            + ("one chunk per rank" if spec.v_max == 1 else f"v ≥ {spec.v_min} chunks per rank")
+            + f"; use {fix}"
+        )
+
+
+def check_interleaving(K: int, chunks: int, schedule: ScheduleName, virtual_stages: int) -> None:
+    """At setup, on every rank, once K is known: v ≥ 2 needs a pipeline of several ranks, and M (``chunks``) the
+    schedule's rule (torch's for interleaving: M a multiple of max(1, M // K))."""
+    if virtual_stages == 1:
+        return
+    if K == 1:
+        raise ValueError(
+            f"GPipeStrategy(virtual_stages={virtual_stages}) interleaves chunks over the ranks of a pipeline, but "
+            "pipeline_parallel_size is 1: use virtual_stages=1, or a pipeline of several devices"
+        )
+    try:
+        check_schedule(schedule, K, chunks, virtual_stages)
+    except ValueError as e:
+        raise ValueError(f"GPipeStrategy(chunks={chunks}) on {K} pipeline stages: {e}") from e
 
 
 def check_data_loading(data_loading: Any) -> None:
@@ -209,9 +241,11 @@ def _not_sequential(path: str, found: Any) -> str:
     )
 
 
-def check_backbone_layers(module: nn.Module, path: str, backbone: nn.Sequential, K: int) -> None:
-    """At setup, on every rank: K stages need K layers, the backbone nothing but its layers, the module no
-    nn.SyncBatchNorm, and no model around the backbone may run its layers one at a time itself (timm's or
+def check_backbone_layers(
+    module: nn.Module, path: str, backbone: nn.Sequential, K: int, virtual_stages: int = 1
+) -> None:
+    """At setup, on every rank: K stages (of v chunks each) need vK layers, the backbone nothing but its layers, the
+    module no nn.SyncBatchNorm, and no model around the backbone may run its layers one at a time itself (timm's or
     HuggingFace's own gradient checkpointing)."""
     check_plain_sequential(backbone, f"GPipeStrategy(backbone={path!r}): self.{path}")
     norms = sync_batch_norms(module)
@@ -239,13 +273,15 @@ def check_backbone_layers(module: nn.Module, path: str, backbone: nn.Sequential,
             "activation_checkpointing='except_last') (the default) recomputes each micro-batch's activations in its "
             f"backward, 'always' keeps even fewer. Turn the model's own off: {off}"
         )
-    if len(backbone) >= K:
+    S = K * virtual_stages
+    if len(backbone) >= S:
         return
-    nested = [(i, m) for i, m in enumerate(backbone) if isinstance(m, nn.Sequential) and len(m) >= K]
+    nested = [(i, m) for i, m in enumerate(backbone) if isinstance(m, nn.Sequential) and len(m) >= S]
     layers = f"{len(backbone)} layer{'s' if len(backbone) != 1 else ''}"
+    chunks = f" × virtual_stages={virtual_stages}" if virtual_stages > 1 else ""
     message = (
-        f"GPipeStrategy: self.{path} has {layers}, fewer than the {K} stages (pipeline_parallel_size={K}): every "
-        "stage needs at least one layer"
+        f"GPipeStrategy: self.{path} has {layers}, fewer than the {S} stages (pipeline_parallel_size={K}{chunks}): "
+        "every stage needs at least one layer"
     )
     if nested:
         i, inner = nested[0]

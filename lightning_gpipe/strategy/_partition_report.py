@@ -46,12 +46,22 @@ class WholeModel:
 
 @dataclass(frozen=True)
 class PartitionReport:
-    """The split: which layers each of the K stages holds, their parameters and cost."""
+    """The split: which layers each of the stages holds, their parameters and cost; with interleaving the stages
+    are the vK chunks, rank k holding stages k, k + K, …"""
 
     whole: WholeModel
     plan: Plan
     counts: list[int]  # layers per stage
     costs: list[float] | None  # per layer, by plan.kind; None where they could not be had
+    ranks: int | None = None  # K, the pipeline's ranks (None: one stage each)
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.counts) // self.K_ranks
+
+    def holder(self, s: int) -> int:
+        """The pipeline rank that holds stage ``s``."""
+        return s % self.K_ranks
 
     @property
     def path(self) -> str:
@@ -72,7 +82,13 @@ class PartitionReport:
 
     @property
     def K(self) -> int:
+        """The stages: K, or vK with interleaving."""
         return len(self.counts)
+
+    @property
+    def K_ranks(self) -> int:
+        """K, the pipeline's ranks."""
+        return self.ranks or len(self.counts)
 
     def layer_range(self, k: int) -> str:
         a = sum(self.counts[:k])
@@ -98,14 +114,19 @@ class PartitionReport:
             worst = f"; the costliest stage is {max(costs) * len(costs) / sum(costs):.2f}× the mean"
             if self._weighed:  # the Cost column is what was measured; the Share column and this, as weighed
                 worst += " of the weighed costs (the Share column; the Cost column is as measured)"
-        return f"GPipeStrategy: self.{self.path} split into {self.K} stages by {MEASURES[self.plan.kind]}{note}{worst}"
+        v = self.virtual_stages
+        chunks = f" (virtual_stages={v}: rank k holds stages k, k + {self.K_ranks}, …)" if v > 1 else ""
+        split = f"split into {self.K} stages{chunks} by {MEASURES[self.plan.kind]}"
+        return f"GPipeStrategy: self.{self.path} {split}{note}{worst}"
 
     def table(self, devices: Callable[[int], str] | None = None) -> Table:
         """Columns stage → layers, parameters, cost (and its share), and the ranks (devices) that hold it."""
         costs, weighed = self.stage_costs, self.weighed_costs
         total = sum(weighed) if weighed else 0.0
-        columns: Table = [
-            ("Stage", [str(k) for k in range(self.K)]),
+        columns: Table = [("Stage", [str(k) for k in range(self.K)])]
+        if self.virtual_stages > 1:
+            columns.append(("Chunk", [f"{self.holder(k)}{chr(ord('a') + k // self.K_ranks)}" for k in range(self.K)]))
+        columns += [
             ("Layers", [self.layer_range(k) for k in range(self.K)]),
             ("Params", [get_human_readable_count(n).strip() for n in self.stage_parameters]),
         ]
@@ -116,7 +137,7 @@ class PartitionReport:
             share = f"Share (last × {self.plan.last_stage_scale:g})" if self._weighed else "Share"
             columns.append((share, [f"{100 * c / total:.1f}%" if total else "-" for c in weighed]))
         if devices is not None:
-            columns.append(("Ranks", [devices(k) for k in range(self.K)]))
+            columns.append(("Ranks", [devices(self.holder(k)) for k in range(self.K)]))
         return columns
 
     def log(self, devices: Callable[[int], str] | None = None) -> None:
@@ -149,7 +170,7 @@ def show(report: PartitionReport, trainer: Any, strategy: Any, log: bool) -> Non
     if log and strategy.global_rank == 0:
         devices = list(strategy.parallel_devices or [])
         per_node = max(1, strategy.num_processes)
-        report.log(stage_ranks(report.K, strategy.world_size, devices, per_node, strategy.num_nodes))
+        report.log(stage_ranks(report.K_ranks, strategy.world_size, devices, per_node, strategy.num_nodes))
     summarize_with(trainer, lambda module, depth: PipelineSummary(module, report, depth))
 
 

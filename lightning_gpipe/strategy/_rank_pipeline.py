@@ -10,13 +10,13 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
-from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
 from lightning_gpipe.strategy import _lightning_internals as internals
-from lightning_gpipe.strategy._arguments import check_backbone_layers
+from lightning_gpipe.strategy._arguments import check_backbone_layers, check_interleaving
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit, check_loss
 from lightning_gpipe.strategy._averaged import WeightAverages
 from lightning_gpipe.strategy._balance import Plan, StrategyBalance, plan_balance, shown_costs
@@ -49,6 +49,8 @@ class StageOptions:
     deferred_batch_norm: bool
     output: Literal["all", "placeholder"]
     pipeline_loss: bool = False  # the module's pipeline_loss hook will run inside the pipeline
+    schedule: ScheduleName = "gpipe"
+    virtual_stages: int = 1  # v chunks per rank: the backbone in vK stages
 
     @classmethod
     def of(cls, strategy: Any) -> StageOptions:
@@ -56,7 +58,15 @@ class StageOptions:
         s = strategy
         inside = s.pipeline_loss is not False and callable(getattr(s.lightning_module, "pipeline_loss", None))
         return cls(
-            s.chunks, s.balance, s.activation_checkpointing, s.batch_dim, s.deferred_batch_norm, s.output, inside
+            s.chunks,
+            s.balance,
+            s.activation_checkpointing,
+            s.batch_dim,
+            s.deferred_batch_norm,
+            s.output,
+            inside,
+            s.schedule,
+            s.virtual_stages,
         )
 
 
@@ -108,8 +118,9 @@ class RankPipeline:
         meta device (configure_model under the strategy) materialized, only this rank's share of it, as
         ``init_record`` says it was initialized; BatchNorm synchronized over the replicas.
         """
-        K, rank = mesh.K, mesh.rank
-        check_backbone_layers(module, path, backbone, K)  # on every rank, before any collective
+        K, rank, v = mesh.K, mesh.rank, options.virtual_stages
+        check_interleaving(K, options.chunks, options.schedule, v)  # on every rank, before any collective
+        check_backbone_layers(module, path, backbone, K, v)
         # Read now: the stage keeps only this rank's layers.
         names = [n for n, _ in module.named_parameters()]
         audit = BackboneAudit(module, backbone, path)
@@ -123,7 +134,7 @@ class RankPipeline:
         stage = _stage(backbone, plan, options, mesh, device)
         audit.hand_over(stage, log=rank == 0)
         averages.follow(stage)
-        report = PartitionReport(whole_model, plan, stage.balance, costs)
+        report = PartitionReport(whole_model, plan, stage.balance, costs, ranks=K)
         step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
         if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
             seed = broadcast(torch.initial_seed())
@@ -215,7 +226,7 @@ def _plan(
         module,
         backbone,
         options.balance,
-        mesh.K,
+        mesh.K * options.virtual_stages,
         options.chunks,
         device,
         on_meta=on_meta,
@@ -244,4 +255,5 @@ def _stage(
         output=options.output,
         device=device,
         timeout=mesh.timeout_s,
+        virtual_stages=options.virtual_stages,
     )

@@ -99,7 +99,11 @@ class GPipeStrategy(ParallelStrategy):
         schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (at most
             K − k micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
             (1F1B with the weight gradients of linear, convolution and embedding layers deferred into the drain: a
-            smaller bubble, the same gradients); measured in ``benchmarks/README.md``.
+            smaller bubble, the same gradients); measured in ``benchmarks/README.md``. ``"interleaved-1f1b"`` with
+            ``virtual_stages`` ≥ 2: 1F1B over v chunks per rank, the bubble divided by v, more activations in flight.
+        virtual_stages: v, the chunks of the backbone each rank holds: it is split into v·K stages (balance: v·K
+            layer counts, or solved for v·K parts) and rank k holds stages k, k + K, …; ``schedule`` must then be
+            ``"interleaved-1f1b"``. Default 1: one contiguous stage per rank.
         data_parallel_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket),
             ``"hierarchical"`` (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back;
             the same means to fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and
@@ -135,6 +139,7 @@ class GPipeStrategy(ParallelStrategy):
         check_batches: CheckBatches = "first",
         pipeline_loss: bool | Literal["auto"] = "auto",
         schedule: ScheduleName = "gpipe",
+        virtual_stages: int = 1,
         data_parallel_reduction: DpReduction = "auto",
         data_loading: DataLoading = "every_stage",
         # The names before 0.1.0 (see the class docstring): None unless given.
@@ -152,7 +157,7 @@ class GPipeStrategy(ParallelStrategy):
         self.trace_steps: tuple[int, ...] = checked["trace_steps"]
         self.data_parallel_reduction, self.data_loading = data_parallel_reduction, data_loading
         self._feed: BatchFeed | None = None
-        self.pipeline_loss, self.schedule = pipeline_loss, schedule
+        self.pipeline_loss, self.schedule, self.virtual_stages = pipeline_loss, schedule, virtual_stages
         self._micro: MicroBatchLoss | None = None
         self.trace_dir = trace_dir
         self.chunks, self.backbone, self.balance = chunks, backbone, balance

@@ -2,7 +2,7 @@
 
 The probe counts the tensors autograd packs for backward (``saved_tensors_hooks``) while the stage's forward phase
 runs: that is the activation memory a micro-batch holds until its backward. The checks then look at what the stage
-retains per micro-batch through ``stage._step`` -- private, but it is exactly the state whose size the guarantee is
+retains per micro-batch through ``stage._steps`` -- private, but it is exactly the state whose size the guarantee is
 about, and no public API exposes it.
 """
 
@@ -41,7 +41,7 @@ def count_packs(fn: Any) -> tuple[Any, int]:
 
 def boundary_only(stage: GPipeStage, mode: str, sample_shape: tuple[int, ...]) -> None:
     """Checkpointed micro-batches hold their input (one leaf per boundary tensor) and no output."""
-    micro = stage._step.micro
+    micro = stage._steps[0].micro
     assert len(micro) == M
     for m, mb in enumerate(micro):
         inputs = [x for x in tree_flatten(mb.input)[0] if isinstance(x, torch.Tensor)]

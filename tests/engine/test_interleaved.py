@@ -1,0 +1,346 @@
+"""Interleaved 1F1B (``virtual_stages`` = v ≥ 2, rank r holding chunks r, r + K, …): the plain model's run, exactly."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
+from lightning_gpipe.pipe.errors import PipelineError
+from lightning_gpipe.pipe.gantt import block_label
+from lightning_gpipe.pipe.grads import sum_over_pipeline
+from lightning_gpipe.pipe.nccl_order import ENV
+from tests.helpers import models
+from tests.helpers.launch import run_distributed
+
+D = models.D
+# (N, T) per step: uneven micro-batches, a new sequence length every step (the boundary shapes change).
+STEPS = [(10, 3), (7, 5), (13, 2)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def chain(L: int, dtype: torch.dtype) -> nn.Sequential:
+    """L layers, Linear + Tanh and plain Linear by turns, on (N, T, D) inputs."""
+    torch.manual_seed(1234)
+    return models.mlp(L).to(dtype)
+
+
+def tied(dtype: torch.dtype) -> nn.Sequential:
+    """Layer 0's weight is used again by layer 7 (chunk 3: the other rank at K = 2, v = 2) and layer 4 (chunk 2: the
+    same rank as layer 0): a tie across ranks and one within a rank's chunks."""
+    model = chain(8, dtype)
+    model[7].weight = model[0][0].weight
+    model[4][0].weight = model[0][0].weight
+    return model
+
+
+def micro_losses(target: torch.Tensor, sizes: list[int]) -> Any:
+    N, offsets = sum(sizes), [sum(sizes[:m]) for m in range(len(sizes))]
+
+    def fn(y: torch.Tensor, m: int) -> torch.Tensor:
+        return models.loss_fn(y, target[offsets[m] : offsets[m] + sizes[m]]) * (sizes[m] / N)
+
+    return fn
+
+
+def parity_run(
+    make: Any, v: int, M: int, balance: Any, dtype: torch.dtype, optimizer: str, mode: str, K: int
+) -> dict[str, Any]:
+    """Three optimizer steps with interleaved 1F1B and on the plain model: the largest relative differences."""
+    model = make(dtype)
+    ref = copy.deepcopy(model)
+    stage = GPipeStage(model, chunks=M, balance=balance, checkpoint=mode, virtual_stages=v)
+    make_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adam": lambda p: torch.optim.Adam(p, lr=0.01)}
+    opt, ref_opt = make_opt[optimizer](stage.parameters()), make_opt[optimizer](ref.parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    errs = {"grad": 0.0, "loss": 0.0, "weight": 0.0}
+    shared = [p for _, _, p in stage.shared if p is not None]
+    for step, (N, T) in enumerate(STEPS):
+        x = models.make_input("mlp", N, T, seed=step).to(dtype)
+        target = torch.randn(N, T, D, generator=torch.Generator().manual_seed(100 + step)).to(dtype)
+        ref_opt.zero_grad()
+        ref_loss = models.loss_fn(ref(x), target)
+        ref_loss.backward()
+        opt.zero_grad()
+        losses = stage.forward_backward(
+            x, micro_losses(target, stage.micro_batch_sizes(x)), schedule="interleaved-1f1b"
+        )
+        sum_over_pipeline(shared, dist.group.WORLD)  # tied weights: each rank's part of the gradient
+        if stage.is_last:
+            errs["loss"] = max(errs["loss"], rel_err(torch.stack(losses).sum(), ref_loss.detach()))
+        for name, p in stage.named_parameters():
+            errs["grad"] = max(errs["grad"], rel_err(p.grad, ref_params[name].grad))
+        opt.step()
+        ref_opt.step()
+    for name, p in stage.named_parameters():
+        errs["weight"] = max(errs["weight"], rel_err(p.detach(), ref_params[name].detach()))
+    return {"errs": errs, "keys": sorted(stage.state_dict()), "shared": [(n, s) for n, s, _ in stage.shared]}
+
+
+def parity_worker(rank: int, world_size: int, v: int, cases: list[tuple]) -> list[tuple[tuple, dict[str, Any]]]:
+    warnings.simplefilter("ignore")  # N < M warns by design
+    out = []
+    for case in cases:
+        make, M, balance, dtype, optimizer, mode = case
+        out.append((case, parity_run(make, v, M, balance, dtype, optimizer, mode, world_size)))
+    return out
+
+
+F64, F32 = torch.float64, torch.float32
+TOLS = {F64: 1e-12, F32: 1e-6}
+
+
+def _chain8(dtype: torch.dtype) -> nn.Sequential:
+    return chain(8, dtype)
+
+
+def _chain12(dtype: torch.dtype) -> nn.Sequential:
+    return chain(12, dtype)
+
+
+@pytest.mark.parametrize(
+    ("K", "v", "cases"),
+    [
+        (
+            2,
+            2,
+            [
+                (_chain8, 2, [2, 2, 2, 2], F64, "sgd", "except_last"),  # M = K
+                (_chain8, 4, "parameters", F64, "adam", "always"),  # M = 2K, balance solved for vK chunks
+                (_chain8, 3, [1, 3, 2, 2], F64, "sgd", "never"),  # M = 3 < 2K: not a multiple of K
+                (_chain8, 4, [2, 2, 2, 2], F32, "adam", "except_last"),
+                (tied, 4, [2, 2, 2, 2], F64, "sgd", "except_last"),
+            ],
+        ),
+        (3, 2, [(_chain12, 3, [2] * 6, F64, "sgd", "except_last"), (_chain12, 6, "parameters", F64, "adam", "always")]),
+        (2, 3, [(_chain12, 4, [2] * 6, F64, "sgd", "except_last")]),
+    ],
+)
+@pytest.mark.timeout(120)
+def test_interleaved_1f1b_is_the_plain_models_run(K: int, v: int, cases: list[tuple]) -> None:
+    """Gradients, losses and the weights after three SGD or Adam steps equal the plain model's (float64 ≤ 1e-12,
+    fp32 ≤ 1e-6): M = K, 2K and M = 3 (not a multiple of K), uneven micro-batches (10, 7, 13 samples), a new
+    sequence length each step, every re-materialization mode, tied weights across ranks and within a rank; each
+    rank's state-dict keys are the plain module's, and together all of them."""
+    per_rank = run_distributed(parity_worker, K, v, cases, timeout=100)
+    for case_i, case in enumerate(cases):
+        tol = TOLS[case[3]]
+        keys = set()
+        for rank, results in enumerate(per_rank):
+            _, got = results[case_i]
+            bad = {k: e for k, e in got["errs"].items() if e > tol}
+            assert not bad, (rank, case, got["errs"])
+            keys |= set(got["keys"])
+        plain = case[0](case[3])
+        assert keys == set(plain.state_dict()), case
+        if case[0] is tied:  # layer 0 (rank 0) and 7 (rank 1): summed over both; layer 4 is rank 0's chunk b
+            assert all(r["shared"] == [("0.0.weight", (0, 1))] for r in [res[case_i][1] for res in per_rank])
+
+
+def layout_worker(rank: int, world_size: int) -> dict[str, Any]:
+    stage = GPipeStage(chain(12, F64), chunks=4, balance=[1, 2, 3, 2, 3, 1], virtual_stages=3)
+    return {
+        "ranges": [list(r) for r in stage.layer_ranges],
+        "params": [n for n, _ in stage.named_parameters()],
+        "remote": str(stage[11]) if rank == 0 else "",
+        "balance": stage.balance,
+    }
+
+
+@pytest.mark.timeout(60)
+def test_each_rank_holds_every_kth_chunk_under_the_plain_names() -> None:
+    r0, r1 = run_distributed(layout_worker, 2, timeout=50)
+    assert r0["ranges"] == [[0], [3, 4, 5], [8, 9, 10]] and r1["ranges"] == [[1, 2], [6, 7], [11]]
+    assert r0["balance"] == r1["balance"] == [1, 2, 3, 2, 3, 1]
+    assert r0["params"][:2] == ["0.0.weight", "0.0.bias"] and r1["params"][:2] == ["1.weight", "1.bias"]
+    assert (
+        "layer 11 (Linear) is on rank 1 (stage 5); this rank is 0 and holds layer 0, layers 3–5, layers 8–10"
+        in (r0["remote"])
+    )
+
+
+def batchnorm_worker(rank: int, world_size: int) -> dict[str, float]:
+    """Deferred BatchNorm in chunks on both ranks: micro-batch normalization, statistics committed once per step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*models.with_bn(), *models.with_bn()).double()
+    ref = copy.deepcopy(model)
+    bns = [i for i, layer in enumerate(model) if isinstance(layer, nn.BatchNorm1d)]
+    M = 4
+    stage = GPipeStage(model, chunks=M, balance=[3, 3, 3, 3], virtual_stages=2)
+    full_bn = {i: copy.deepcopy(ref[i]) for i in bns}
+    ref_params = dict(ref.named_parameters())
+    errs = {"grad": 0.0, "mean": 0.0, "var": 0.0, "tracked": 0.0}
+    for step, N in enumerate((10, 13)):
+        x = models.make_input("mlp", N, seed=step).double()
+        inputs: dict[int, list[torch.Tensor]] = {i: [] for i in bns}
+        hooks = [ref[i].register_forward_pre_hook(lambda _, a, got=got: got.append(a[0])) for i, got in inputs.items()]
+        sizes = micro_batch_sizes(N, M)
+        ref_out = torch.cat([ref(mb) for mb in x.split(sizes)])
+        for h in hooks:
+            h.remove()
+        for i, bn in full_bn.items():
+            bn(torch.cat(inputs[i]))
+        tgt = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step)).double()
+        ref.zero_grad()
+        models.loss_fn(ref_out, tgt).backward()
+        stage.zero_grad()
+        stage.forward_backward(x, micro_losses(tgt, sizes), schedule="interleaved-1f1b")
+        scale = max(ref_params[n].grad.abs().max().item() for n, _ in stage.named_parameters())
+        diffs = [(p.grad - ref_params[n].grad).abs().max().item() / scale for n, p in stage.named_parameters()]
+        errs["grad"] = max([errs["grad"], *diffs])
+    for name, module in stage.named_children():
+        if int(name) in full_bn:
+            bn = full_bn[int(name)]
+            errs["mean"] = max(errs["mean"], rel_err(module.running_mean, bn.running_mean))
+            errs["var"] = max(errs["var"], rel_err(module.running_var, bn.running_var))
+            errs["tracked"] = max(errs["tracked"], float(int(module.num_batches_tracked) != 2))
+    return errs
+
+
+@pytest.mark.timeout(60)
+def test_deferred_batchnorm_commits_each_chunks_statistics_once_per_step() -> None:
+    for rank, errs in enumerate(run_distributed(batchnorm_worker, 2, timeout=50)):
+        assert all(e <= 1e-12 for e in errs.values()), (rank, errs)
+
+
+def phases_worker(rank: int, world_size: int, ordered: bool) -> dict[str, Any]:
+    """The phase API (``stage(x)``, ``backward()``), forward-only evaluation and the loss inside, each under NCCL's
+    ordering rules when ``ordered``, with timelines."""
+    if ordered:
+        os.environ[ENV] = "1"
+    model = chain(8, F64)
+    ref = copy.deepcopy(model)
+    stage = GPipeStage(model, chunks=4, balance=[2, 2, 2, 2], virtual_stages=2, timeline=True, output="all")
+    x = models.make_input("mlp", 9, 3, seed=1).double()
+    target = torch.randn(9, 3, D, generator=torch.Generator().manual_seed(5)).double()
+    ref_out = ref(x)
+    models.loss_fn(ref_out, target).backward()
+    out = stage(x)
+    if stage.is_last:
+        models.loss_fn(out, target).backward()
+    stage.backward()
+    errs = {"out": rel_err(out.detach(), ref_out.detach())}
+    errs["grad"] = max(rel_err(p.grad, ref.get_parameter(n).grad) for n, p in stage.named_parameters())
+    with torch.no_grad():
+        errs["eval"] = rel_err(stage(x), ref_out.detach())
+    stage.zero_grad()
+    stage.timeline.clear()
+    stage.forward_backward(x, micro_losses(target, stage.micro_batch_sizes(x)), schedule="interleaved-1f1b")
+    errs["loss inside"] = max(rel_err(p.grad, ref.get_parameter(n).grad) for n, p in stage.named_parameters())
+    compute = [e for e in stage.timeline.events if e.kind in ("forward", "backward")]
+    return {"errs": errs, "labels": [block_label(e) for e in compute], "names": sorted({e.name for e in compute})}
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.timeout(60)
+def test_phases_evaluation_and_timeline_with_chunks(ordered: bool) -> None:
+    """``stage(x)`` + ``backward()`` (the chunks one after the other) and evaluation give the plain model's output
+    and gradients; under NCCL's rules too (``nccl_order``: in-order rendezvous transfers, modelled on gloo). The
+    timeline's compute blocks are named by micro-batch and chunk, in the schedule's order."""
+    r0, r1 = run_distributed(phases_worker, 2, ordered, timeout=50)
+    for rank, r in enumerate((r0, r1)):
+        assert all(e <= 1e-12 for e in r["errs"].values()), (rank, r["errs"])
+    # The order drawn in pipe/schedules.py for K = 2, M = 4, v = 2 (B = backward, the recompute apart).
+    assert " ".join(r0["labels"]) == "F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a B2b B3b B2a B3a"
+    assert " ".join(r1["labels"]) == "F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a"
+    assert "forward 3b" in r0["names"] and "backward 0a" in r1["names"]
+
+
+def errors_worker(rank: int, world_size: int) -> list[str]:
+    messages = []
+
+    def attempt(fn: Any) -> None:
+        try:
+            fn()
+            messages.append("no error")
+        except (ValueError, PipelineError) as e:
+            messages.append(str(e))
+
+    x = models.make_input("mlp", 8)
+
+    def loss(y: torch.Tensor, m: int) -> torch.Tensor:
+        return y.sum()
+
+    attempt(lambda: GPipeStage(chain(8, F64), chunks=4, balance=[4, 4], virtual_stages=2))
+    attempt(lambda: GPipeStage(chain(8, F64), chunks=4, virtual_stages=0))
+    two = GPipeStage(chain(8, F64), chunks=4, virtual_stages=2)
+    attempt(lambda: two.forward_backward(x, loss, schedule="1f1b"))
+    one = GPipeStage(chain(8, F64), chunks=4)
+    attempt(lambda: one.forward_backward(x, loss, schedule="interleaved-1f1b"))
+    five = GPipeStage(chain(8, F64), chunks=5, virtual_stages=2)
+    attempt(lambda: five.forward_backward(models.make_input("mlp", 10), loss, schedule="interleaved-1f1b"))
+    # chunks = 8 is admitted, but a short batch of 5 samples runs M = 5: refused on stage 0, reported everywhere.
+    eight = GPipeStage(chain(8, F64), chunks=8, virtual_stages=2, timeout=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attempt(lambda: eight.forward_backward(models.make_input("mlp", 5), loss, schedule="interleaved-1f1b"))
+    return messages
+
+
+@pytest.mark.timeout(60)
+def test_bad_interleaving_arguments_fail_on_every_rank_with_the_fix() -> None:
+    for rank, got in enumerate(run_distributed(errors_worker, 2, timeout=50)):
+        counts, zero, other, one, five, short = got
+        assert "balance [4, 4] has 2 entries but there are 4 stages" in counts, (rank, counts)
+        assert "virtual_stages=2: the pipeline's stages are its K·v = 2·2 = 4 chunks" in counts, (rank, counts)
+        assert "virtual_stages (v, the chunks each rank holds) must be an int ≥ 1, got 0" in zero, (rank, zero)
+        assert "schedule '1f1b' takes v = 1 chunks per rank, got v = 2; with several chunks per rank use " in other
+        assert "schedule 'interleaved-1f1b' takes v ≥ 2 chunks per rank, got v = 1; with one chunk per rank" in one
+        assert re.search(r"chunks=5\): schedule 'interleaved-1f1b' runs M micro-batches in rounds .* M = 5 ", five)
+        assert "M = 5 with K = 2 is not" in short, (rank, short)
+
+
+def test_one_rank_cannot_interleave() -> None:
+    with pytest.raises(ValueError, match="virtual_stages=2 interleaves chunks over the ranks of a pipeline, but this"):
+        GPipeStage(chain(8, F64), chunks=4, virtual_stages=2)
+
+
+def failing_loss_worker(rank: int, world_size: int) -> str:
+    """The last rank's loss fails on micro-batch 1 while rank 0 waits for its chunk b's input from it (the ring)."""
+    stage = GPipeStage(chain(12, F64), chunks=3, virtual_stages=2, timeout=20)
+
+    def loss(y: torch.Tensor, m: int) -> torch.Tensor:
+        if m == 1:
+            raise ValueError("the loss failed")
+        return y.sum()
+
+    try:
+        stage.forward_backward(models.make_input("mlp", 6).double(), loss, schedule="interleaved-1f1b")
+    except PipelineError as e:
+        return f"PipelineError: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_reaches_every_rank_around_the_ring() -> None:
+    for rank, text in enumerate(run_distributed(failing_loss_worker, 3, timeout=50)):
+        assert text.startswith("PipelineError") and "the loss failed" in text, (rank, text)
+
+
+def test_a_message_for_another_chunk_is_refused_by_its_header() -> None:
+    """gloo hands over messages in the order they were sent: rank 0's chunk b (stage 2) checks that its input is
+    micro-batch m's from stage 1, not from another stage, and a gradient is checked alike."""
+    from lightning_gpipe.pipe.links import Links, check_header
+    from lightning_gpipe.pipe.trace import Timeline
+
+    class Sent:
+        def recv(self, src: int, what: str) -> tuple[torch.Tensor, dict[str, Any]]:
+            return torch.zeros(1), {"m": 0, "M": 4, "n": 1, "training": True, "seed": 0, "stage": 3}
+
+    links = Links(Sent(), None, index=0, timeline=Timeline(0))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="stage 2 waited for micro-batch 0's input and got micro-batch 0's from "):
+        links.receive(0, training=True, src=1, stage=2, chunk=1)
+    assert links.receive(0, training=True, src=1, stage=4, chunk=2)[1]["stage"] == 3
+    with pytest.raises(RuntimeError, match="from stage 3 instead of stage 1's: the stages run their micro-batches"):
+        check_header({"m": 1, "stage": 3}, 1, 1, 0, "output gradient")
