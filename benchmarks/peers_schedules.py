@@ -185,10 +185,10 @@ def main() -> None:
     add_timing_args(parser)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8], metavar="M")
     parser.add_argument("--out-dir", default=str(report.RESULTS))
-    parser.add_argument("--smoke", action="store_true", help="small model, M=4, 3 steps, no quiet waits")
+    parser.add_argument("--smoke", action="store_true", help="small model, M=4, 5 steps, no quiet waits")
     args = parser.parse_args()
     if args.smoke:
-        args.micro_batches, args.steps, args.max_steps, args.warmup, args.wait_quiet = [4], 3, 3, 1, 0.0
+        args.micro_batches, args.steps, args.max_steps, args.warmup, args.wait_quiet = [4], 5, 5, 1, 0.0
     timing = Timing.from_args(parser, args)
     shape = SMOKE if args.smoke else FULL
     wl.configure(shape)
