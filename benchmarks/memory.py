@@ -268,7 +268,8 @@ def main() -> None:
     parser.add_argument(
         "--schedules",
         action="store_true",
-        help="instead: 1F1B and ZB-H1 vs GPipe, the loss per micro-batch, checkpoint=never (_lib/memory_schedules.py)",
+        help="instead: 1F1B, ZB-H1 and interleaved 1F1B vs GPipe, the loss per micro-batch, checkpoint=never "
+        "(_lib/memory_schedules.py)",
     )
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4], metavar="K", help="K of --schedules")
     args = parser.parse_args()

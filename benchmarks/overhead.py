@@ -3,10 +3,11 @@
 # What it runs: throughput.py's small AmoebaNet-D and Transformer (_lib/workloads.py; the Transformer's vocabulary
 # projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread
 # each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance), a training step = forward
-# + loss + backward + RMSProp update, with the stage's timeline on, along four loss paths, alternating step by step
+# + loss + backward + RMSProp update, with the stage's timeline on, along five loss paths, alternating step by step
 # in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
-# "gpipe", "1f1b" and "zb-h1" (stage.forward_backward: the loss per micro-batch on the last stage, inside the
-# pipeline; zb-h1's backward halves, I and W, count as backward). Each
+# "gpipe", "1f1b", "zb-h1" and "interleaved-1f1b" (stage.forward_backward: the loss per micro-batch on the last
+# stage, inside the pipeline; zb-h1's backward halves, I and W, count as backward; interleaved-1f1b on a stage of
+# its own with v = 2 chunks per rank, the backbone solved for 2K parts). Each
 # step is traced on every stage (clocks lined up after a barrier), then broken down by
 # lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
 # load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
@@ -32,13 +33,14 @@ import torch.distributed as dist
 from benchmarks._lib import report
 from benchmarks._lib.machine import launch, pause_until_quiet, timed, wait_quiet
 from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
-from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
+from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events, solve
 from lightning_gpipe.pipe.gantt import plot_timeline
 from lightning_gpipe.pipe.trace import Event
 
 # The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the
 # schedules of GPipeStage.forward_backward (the loss per micro-batch on the last stage, inside the pipeline).
-PATHS = ("whole-batch", "gpipe", "1f1b", "zb-h1")
+PATHS = ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+V = 2  # chunks per rank of the "interleaved-1f1b" path (its own stage: the backbone in vK parts)
 # Disjoint shares of the whole step (first event to last on any stage, averaged over stages), in stacking order:
 # compute, the loss, then the rest of the bubble split into waiting for a peer's compute and the transfer itself,
 # then what lies outside the pipeline's span (the update, and the rest: the loop).
@@ -99,19 +101,30 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     paths = job["paths"]
     for name, entry in job["models"].items():
-        torch.manual_seed(0)
-        stage = GPipeStage(
-            build(name, entry["sizes"]), chunks=job["M"], balance=entry["balance"], checkpoint=job["checkpoint"]
-        )
-        optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
+        stages, optimizers = {}, {}
+        for path in paths:
+            v = V if path == "interleaved-1f1b" else 1
+            if v not in stages:
+                torch.manual_seed(0)
+                balance = entry["balance"] if v == 1 else entry["balance_interleaved"]
+                stages[v] = GPipeStage(
+                    build(name, entry["sizes"]),
+                    chunks=job["M"],
+                    balance=balance,
+                    checkpoint=job["checkpoint"],
+                    virtual_stages=v,
+                )
+                optimizers[v] = torch.optim.RMSprop(stages[v].parameters(), lr=1e-4)
         x, target = make_batch(name, entry["sizes"])
         steps: dict[str, list[dict]] = {path: [] for path in paths}
         charts: dict[str, list | None] = {path: None for path in paths}
         for s in range(job["warmup"] + job["max_steps"]):
             disturbed = False
             for path in paths if s % 2 == 0 else paths[::-1]:
+                v = V if path == "interleaved-1f1b" else 1
+                stage, optimizer = stages[v], optimizers[v]
                 stage.zero_grad(set_to_none=True)
-                rec, events = timed(lambda p=path: traced_step(stage, optimizer, x, target, p))  # noqa: B023
+                rec, events = timed(lambda p=path, st=stage, o=optimizer: traced_step(st, o, x, target, p))  # noqa: B023
                 clean = rec["foreign_cores"] < job["clean_threshold"]
                 disturbed |= not clean
                 if s >= job["warmup"] and rank == 0:
@@ -271,7 +284,14 @@ def main() -> None:
             "clean_threshold": args.clean_threshold,
             "wait_quiet": args.wait_quiet,
             "out_dir": args.out_dir,
-            "models": {n: {"sizes": sizes[n], "balance": info["balance"][K]} for n, info in models.items()},
+            "models": {
+                n: {
+                    "sizes": sizes[n],
+                    "balance": info["balance"][K],
+                    "balance_interleaved": solve(info["layer_costs_ms"], V * K, args.last_stage_scale),
+                }
+                for n, info in models.items()
+            },
             "paths": args.paths,
             "checkpoint": args.checkpoint,
         }

@@ -57,6 +57,7 @@ from lightning_gpipe.pipe.schedules import SCHEDULES
 
 RUNNABLE = [name for name, spec in SCHEDULES.items() if spec.runnable]
 V = {"interleaved-1f1b": 2}  # chunks per rank where a schedule needs several
+RUN_ON = {1: "gpipe", 2: "interleaved-1f1b"}  # per chunks per rank: the schedule whose balance the measured stage uses
 PING_BYTES = [64, 16 << 10, 256 << 10, 1 << 20, 4 << 20]
 TOLERANCE = 0.10
 
@@ -127,14 +128,20 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     for name, entry in job["models"].items() if job["ping"] else ():
         out.setdefault("corun", {})[name] = corun_factor(micro_batch_step(name, entry["sizes"], job["M"]))
     for name, entry in job["models"].items():
-        stage = GPipeStage(
-            build(name, entry["sizes"]), chunks=job["M"], balance=entry["balance"], checkpoint=job["checkpoint"]
-        )
-        optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
-        x, target = make_batch(name, entry["sizes"])
-        per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
-
-        runners = {s: runner(stage, optimizer, x, per_micro, s) for s in RUNNABLE}
+        runners = {}
+        for v in sorted({V.get(s, 1) for s in RUNNABLE}):  # one stage per chunks-per-rank, the same weights
+            torch.manual_seed(0)
+            stage = GPipeStage(
+                build(name, entry["sizes"]),
+                chunks=job["M"],
+                balance=entry["balance"][v],
+                checkpoint=job["checkpoint"],
+                virtual_stages=v,
+            )
+            optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
+            x, target = make_batch(name, entry["sizes"])
+            per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
+            runners |= {s: runner(stage, optimizer, x, per_micro, s) for s in RUNNABLE if V.get(s, 1) == v}
         out[name] = measure(runners, job["timing"]).records
     return out
 
@@ -286,8 +293,13 @@ def main() -> None:
     link: Link | None = None
     for K in sorted(args.ks):
         wait_quiet(args.wait_quiet, args.clean_threshold)
-        balances = {n: predict(m["costs"], Link(0, 1), "gpipe", K, M).balance for n, m in models.items()}
-        entries = {n: {"sizes": sizes[n], "balance": balances[n]} for n in models}
+        entries = {
+            n: {
+                "sizes": sizes[n],
+                "balance": {v: predict(m["costs"], Link(0, 1), RUN_ON[v], K, M, v).balance for v in RUN_ON},
+            }
+            for n, m in models.items()
+        }
         job = {"M": M, "timing": timing, "checkpoint": args.checkpoint, "models": entries, "ping": link is None}
         raw[K] = launch(run_job, K, job)
         if link is None:

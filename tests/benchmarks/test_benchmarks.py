@@ -38,6 +38,7 @@ SMOKE_RUNS = [
     "dp_hierarchy",
     "dp_cost_model",
     "schedules",
+    "peers_schedules",
 ]
 
 
