@@ -155,7 +155,9 @@ def _linear_hooked(
 
     # aten returns a 3-d input's output as a view of the 2-d addmm: an in-place op on the view reroutes its gradient
     # around the view's node, into the addmm's.
-    (y if y._base is None else y._base).grad_fn.register_prehook(keep)
+    node = (y if y._base is None else y._base).grad_fn
+    assert node is not None, "x requires grad, so does the op's output"
+    node.register_prehook(keep)
     return y
 
 
@@ -306,7 +308,7 @@ class WeightGrads:
         self._entered: list[bool] = []  # per module call in progress: whether it entered the mode
         self._handles: list[RemovableHandle] = []
         for module in layers.modules():
-            if any(_trainable_leaf(p) and p.dim() >= 2 for p in module._parameters.values()):
+            if any(p is not None and _trainable_leaf(p) and p.dim() >= 2 for p in module._parameters.values()):
                 self._handles.append(module.register_forward_pre_hook(self._enter))
                 self._handles.append(module.register_forward_hook(self._leave, prepend=True, always_call=True))
 
