@@ -227,7 +227,7 @@ class Executor:
             ):
                 y = self.run(mb.input, mix(step.seed, m))
         if pending is not None:
-            with self.timeline.record("recv-wait", m, chunk=c):
+            with self.timeline.record("recv-wait", m, label="gradient", chunk=c):
                 grads, fields = pending.wait()
             check_header(fields, m, self.index + 1, self.index, "output gradient")
             pairs = _marked_pairs(y, mb.marks, grads)
@@ -241,7 +241,7 @@ class Executor:
         step.micro[m] = MicroBatch(None, None, None, [])  # free this micro-batch's memory now
         if not self.is_first:
             marks = [False] * len(grads_in)
-            self.peers().send(self.prev_rank, grads_in, m, c, requires_grad=marks, m=m, stage=self.index)
+            self.peers().send(self.prev_rank, grads_in, m, c, "gradient", requires_grad=marks, m=m, stage=self.index)
         else:
             input_grads[m] = grads_in
 

@@ -18,9 +18,12 @@ class Links:
         self.index = index
         self.timeline = timeline
 
-    def send(self, dst: int, obj: Any, micro_batch: int, chunk: int = -1, **kwargs: Any) -> list[TensorMeta]:
-        """Queue ``obj`` for stage ``dst`` (see :meth:`Transport.send`) and drop the sends already received."""
-        with self.timeline.record("send", micro_batch, chunk=chunk):
+    def send(
+        self, dst: int, obj: Any, micro_batch: int, chunk: int = -1, label: str = "", **kwargs: Any
+    ) -> list[TensorMeta]:
+        """Queue ``obj`` for stage ``dst`` (see :meth:`Transport.send`) and drop the sends already received;
+        ``label`` names it in the timeline (``"gradient"``: an input gradient, going upstream)."""
+        with self.timeline.record("send", micro_batch, label=label, chunk=chunk):
             metas = self.transport.send(dst, obj, **kwargs)
             self.transport.retire_sends()
         return metas

@@ -32,24 +32,35 @@ def _phase_of(e: Event, phases: list[Event]) -> str:
     return next((p.label for p in phases if p.stage == e.stage and p.start_ns <= e.start_ns <= p.end_ns), "")
 
 
+def _sender(e: Event, K: int) -> tuple[int, int]:
+    """The rank and chunk that sent what receive-wait ``e`` waited for: a gradient (label ``"gradient"``) comes
+    from the next stage, an input from the previous one; with chunks (interleaving) across the ring's seam, from the
+    neighbouring chunk (rank K − 1's chunk c feeds rank 0's chunk c + 1)."""
+    if e.label == "gradient":
+        return (e.stage + 1, e.chunk) if e.stage + 1 < K else (0, e.chunk + 1)
+    return (e.stage - 1, e.chunk) if e.stage > 0 else (K - 1, e.chunk - 1)
+
+
 def transfer_ns(events: Sequence[Event]) -> dict[int, int]:
     """Per stage, the part of its receive waits spent on the transfer itself: from when the peer started sending (or
     the wait began, if later) to the wait's end. The rest of a wait is the peer still computing -- the bubble."""
     phases = [e for e in events if e.kind == "step"]
-    sends: dict[tuple[int, str, int], int] = {}
+    K = 1 + max((e.stage for e in events), default=0)
+    sends: dict[tuple[int, int, str, int, bool], int] = {}
     for e in events:
         if e.kind == "send":
-            sends.setdefault((e.stage, _phase_of(e, phases), e.micro_batch), e.start_ns)
+            key = (e.stage, e.chunk, _phase_of(e, phases), e.micro_batch, e.label == "gradient")
+            sends.setdefault(key, e.start_ns)
     out: dict[int, int] = {}
     for e in events:
         if e.kind != "recv-wait":
             continue
         phase = _phase_of(e, phases)
         if e.label == "output" or (phase in ("forward", "evaluation") and e.micro_batch < 0):
-            src = max(p.stage for p in phases)  # the last stage shares the output
+            src, chunk = max(p.stage for p in phases), -1  # the last stage shares the output
         else:
-            src = e.stage + (1 if phase == "backward" else -1)
-        sent = sends.get((src, phase, e.micro_batch))
+            src, chunk = _sender(e, K)
+        sent = sends.get((src, chunk, phase, e.micro_batch, e.label == "gradient"))
         if sent is not None:
             out[e.stage] = out.get(e.stage, 0) + max(e.end_ns - max(sent, e.start_ns), 0)
     return out

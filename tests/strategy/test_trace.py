@@ -97,6 +97,21 @@ def test_transfer_is_the_part_of_a_wait_after_the_peer_sent() -> None:
     assert transfer_ns(events) == {1: UNIT + UNIT // 2}
 
 
+def test_transfer_of_gradients_and_across_the_interleaved_ring_seam() -> None:
+    """Loss inside (one "train" phase): a gradient wait is matched with the next stage's gradient send, an input
+    wait on rank 0's second chunk with rank K − 1's first chunk's send."""
+    phases = [Event("step", k, -1, 0, 10 * UNIT, "train") for k in (0, 1)]
+    events = [
+        *phases,
+        Event("send", 1, 0, 3 * UNIT, 3 * UNIT + 100, "gradient", chunk=1),
+        Event("send", 1, 0, 2 * UNIT, 2 * UNIT + 100, chunk=1),  # rank 1 chunk b's output: nobody waits for it
+        Event("recv-wait", 0, 0, 2 * UNIT, 4 * UNIT, "gradient", chunk=1),  # 1 ms after rank 1 sent it
+        Event("send", 1, 0, 5 * UNIT, 5 * UNIT + 100, chunk=0),
+        Event("recv-wait", 0, 0, 5 * UNIT, 7 * UNIT, chunk=1),  # chunk b's input: rank 1 chunk a's output, 2 ms
+    ]
+    assert transfer_ns(events) == {0: 3 * UNIT}
+
+
 def test_chrome_trace_round_trip_and_gantt(tmp_path: Path) -> None:
     events = ideal_gpipe(3, 4)
     write_chrome_trace(events, tmp_path / "t.json", metadata={"note": 1})
