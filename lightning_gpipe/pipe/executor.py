@@ -241,7 +241,9 @@ class Executor:
         step.micro[m] = MicroBatch(None, None, None, [])  # free this micro-batch's memory now
         if not self.is_first:
             marks = [False] * len(grads_in)
-            self.peers().send(self.prev_rank, grads_in, m, c, "gradient", requires_grad=marks, m=m, stage=self.index)
+            self.peers().send(
+                self.prev_rank, grads_in, m, c, label="gradient", requires_grad=marks, m=m, stage=self.index
+            )
         else:
             input_grads[m] = grads_in
 

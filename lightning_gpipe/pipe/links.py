@@ -19,7 +19,7 @@ class Links:
         self.timeline = timeline
 
     def send(
-        self, dst: int, obj: Any, micro_batch: int, chunk: int = -1, label: str = "", **kwargs: Any
+        self, dst: int, obj: Any, micro_batch: int, chunk: int = -1, *, label: str = "", **kwargs: Any
     ) -> list[TensorMeta]:
         """Queue ``obj`` for stage ``dst`` (see :meth:`Transport.send`) and drop the sends already received;
         ``label`` names it in the timeline (``"gradient"``: an input gradient, going upstream)."""
