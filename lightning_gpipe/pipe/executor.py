@@ -190,7 +190,7 @@ class Executor:
         mb = MicroBatch(x, y, state, marks, buffers=buffers)
         step.sizes.append(n)
         if not self.is_last:
-            fields = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed, "stage": self.index}
+            fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed, "stage": self.index}
             mb.metas = self.peers().send(self.next_rank, y, m, self.chunk, requires_grad=marks, **fields)
             if ckpt:
                 mb.output = None
@@ -354,7 +354,7 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
                 if s.is_last:
                     outs.append(y)
                 else:
-                    fields = {"m": m, "M": M, "n": n, "training": False, "seed": seed, "stage": s.index}
+                    fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": False, "seed": seed, "stage": s.index}
                     s.peers().send(s.next_rank, y, m, s.chunk, **fields)
                 m += 1
             commit_deferred_batch_norm(s.layers)
