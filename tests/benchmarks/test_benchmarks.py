@@ -143,11 +143,11 @@ def run_smoke(name: str, out: Path, *extra: str) -> dict:
 
 
 @pytest.mark.timeout(160)
-def test_overhead_compares_the_four_loss_paths_with_their_efficiency(tmp_path: Path) -> None:
+def test_overhead_compares_the_five_loss_paths_with_their_efficiency(tmp_path: Path) -> None:
     data = run_smoke("overhead", tmp_path, "--models", "transformer")
     rows = data["rows"]
     assert [(r["model"], r["K"], r["path"]) for r in rows] == [
-        ("transformer", 2, p) for p in ("whole-batch", "gpipe", "1f1b", "zb-h1")
+        ("transformer", 2, p) for p in ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
     ]
     for r in rows:
         assert 0.0 < r["efficiency"] <= 1.5, r
@@ -157,7 +157,8 @@ def test_overhead_compares_the_four_loss_paths_with_their_efficiency(tmp_path: P
     assert all(r["loss"] > 0 for r in rows)
     md = (tmp_path / "overhead.md").read_text()
     assert "efficiency (ideal GPipe step / step)" in md and "| 1f1b |" in md and "| whole-batch |" in md
-    assert "| zb-h1 |" in md and rows[-1]["backward"] > 0  # its I and W count as backward
+    assert "| zb-h1 |" in md and rows[-2]["backward"] > 0  # its I and W count as backward
+    assert "| interleaved-1f1b |" in md and len(data["raw"]["2"]["transformer"]["interleaved-1f1b"]["steps"]) >= 3
 
 
 @pytest.mark.timeout(160)
@@ -179,6 +180,9 @@ def test_memory_schedules_1f1b_holds_fewer_micro_batches_than_gpipe_on_stage_0(t
     (timing,) = data["time"]
     assert timing["gpipe_ms"] > 0 and timing["1f1b_ms"] > 0 and timing["time_ratio"] > 0
     assert timing["zb-h1_ms"] > 0 and timing["zb_time_ratio"] > 0
+    # Interleaved (v = 2): the simulator's peak of chunk micro-batches over v, K = 2, M = 8: 5 and 3 chunks.
+    assert (first["interleaved-1f1b_inflight"], last["interleaved-1f1b_inflight"]) == (2.5, 1.5)
+    assert first["interleaved-1f1b_mb"] > 0 and timing["il_time_ratio"] > 0
 
 
 @pytest.mark.timeout(160)
