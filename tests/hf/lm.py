@@ -26,15 +26,15 @@ def config(family: str, dropout: float = 0.0, **overrides: Any) -> Any:
     from transformers import GPT2Config, LlamaConfig
 
     if family == "gpt2":
-        return GPT2Config(
-            n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0,
-            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **overrides,
-        )  # fmt: skip
-    return LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, attention_dropout=dropout, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, **overrides,
-    )  # fmt: skip
+        return GPT2Config(**{
+            "n_layer": 4, "n_embd": 32, "n_head": 4, "vocab_size": VOCAB, "n_positions": 32, "bos_token_id": 0,
+            "eos_token_id": 0, "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout, **overrides,
+        })  # fmt: skip
+    return LlamaConfig(**{
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": VOCAB, "attention_dropout": dropout, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **overrides,
+    })  # fmt: skip
 
 
 def batches(steps: int, seed: int = 0) -> list[Batch]:
