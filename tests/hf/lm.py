@@ -1,0 +1,120 @@
+"""Tiny HF causal LMs, their padded batches of a new length every step, and the LightningModules that train them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_gpipe.hf import (
+    causal_lm_backbone,
+    causal_lm_loss,
+    causal_lm_tokens,
+    load_pretrained,
+    save_pretrained,
+)
+
+VOCAB, BATCH, LR = 64, 8, 0.01
+Batch = dict[str, Tensor]
+
+
+def config(family: str, dropout: float = 0.0, **overrides: Any) -> Any:
+    """A tiny config of ``family`` (4 decoder layers); GPT-2's ties its head to the embedding, this Llama's not."""
+    from transformers import GPT2Config, LlamaConfig
+
+    if family == "gpt2":
+        return GPT2Config(**{
+            "n_layer": 4, "n_embd": 32, "n_head": 4, "vocab_size": VOCAB, "n_positions": 32, "bos_token_id": 0,
+            "eos_token_id": 0, "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout, **overrides,
+        })  # fmt: skip
+    return LlamaConfig(**{
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": VOCAB, "attention_dropout": dropout, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **overrides,
+    })  # fmt: skip
+
+
+def batches(steps: int, seed: int = 0) -> list[Batch]:
+    """One right-padded batch per step, each of another length: ``attention_mask`` has zeros, ``labels`` -100 there
+    (every sample keeps at least 2 tokens, so every micro-batch has labels)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(steps):
+        length = 6 + (step * 3) % 7
+        ids = torch.randint(3, VOCAB, (BATCH, length), generator=g)
+        lengths = torch.randint(2, length + 1, (BATCH,), generator=g)
+        mask = (torch.arange(length)[None] < lengths[:, None]).long()
+        ids = ids.masked_fill(mask == 0, 0)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def save_model(family: str, folder: Path, seed: int = 0, dropout: float = 0.0) -> None:
+    """A freshly initialized model of ``family`` as a pretrained folder, as HF writes it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config(family, dropout)).double().save_pretrained(folder)
+
+
+class PipelinedLM(pl.LightningModule):
+    """The model of ``folder`` as :func:`causal_lm_backbone`'s nn.Sequential, built in configure_model (on the
+    meta device under GPipeStrategy), its weights read in on_fit_start and written to ``save_to`` at the end."""
+
+    def __init__(self, folder: str | Path | None, save_to: str | Path | None = None, cfg: Any = None) -> None:
+        super().__init__()
+        self.folder, self.save_to, self.cfg = folder, save_to, cfg
+        self.backbone: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.backbone is not None:
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = self.cfg if self.cfg is not None else AutoConfig.from_pretrained(self.folder)
+        self.backbone = causal_lm_backbone(AutoModelForCausalLM.from_config(cfg))
+
+    def on_fit_start(self) -> None:
+        if self.folder is not None:
+            assert self.backbone is not None
+            load_pretrained(self.backbone, self.folder)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        assert self.backbone is not None
+        loss = self.pipeline_loss(self.backbone(batch), batch)
+        self.log("train_loss", loss, batch_size=len(batch["input_ids"]))
+        return loss
+
+    def pipeline_loss(self, logits: Tensor, batch: Batch) -> Tensor:
+        return causal_lm_loss(logits, batch["labels"])
+
+    def pipeline_loss_denominator(self, batch: Batch) -> Tensor:
+        return causal_lm_tokens(batch["labels"])
+
+    def on_train_end(self) -> None:
+        if self.save_to is not None:
+            assert self.backbone is not None
+            save_pretrained(self.backbone, self.save_to)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+
+class PlainLM(pl.LightningModule):
+    """The reference: the HF model itself, from the same folder, trained by a plain Lightning run."""
+
+    def __init__(self, folder: str | Path) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return causal_lm_loss(logits, batch["labels"])  # HF's own loss, without its cast of float64 to float32
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)

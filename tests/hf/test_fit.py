@@ -1,0 +1,130 @@
+"""A HF causal LM pipelined by causal_lm_backbone is the same run as the plain HF model (float64, ≤ 1e-9).
+
+Each pipelined run starts from a pretrained folder HF's own save_pretrained wrote, reads it per stage, trains with
+AdamW on right-padded batches of a new length every step, and writes a HF folder per stage at the end;
+``from_pretrained`` on that folder must give the weights and logits of the plain HF model trained by a plain
+Lightning run (or, for pp × dp, by DDP over the replicas: the mean of their losses).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.helpers.launch import quiet_trainer, run_distributed
+from tests.hf.lm import PipelinedLM, PlainLM, batches, save_model
+
+pytest.importorskip("transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'")
+
+STEPS, TOL = 4, 1e-9
+
+
+def pipelined_worker(
+    rank: int, world_size: int, folder: str, save_to: str, pp: int, steps: int, chunks: int = 4
+) -> float:
+    from lightning_gpipe import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    strategy = GPipeStrategy(chunks=chunks, pipeline_parallel_size=pp)
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=steps, precision="64-true")
+    data = batches(steps * (world_size // pp))
+    trainer.fit(PipelinedLM(folder, save_to), DataLoader(data, batch_size=None))
+    return float(trainer.callback_metrics["train_loss"])
+
+
+class PairedPlainLM(PlainLM):
+    """DDP over the replicas, as one process: each step's batch is the list of theirs, its loss the mean."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return sum(super(PairedPlainLM, self).training_step(b, batch_idx) for b in batch) / len(batch)
+
+
+def plain_run(folder: Path, steps: int, replicas: int = 1) -> Any:
+    items = batches(steps * replicas)
+    # The pipelined run's order: Lightning shards a training loader over the replicas with a shuffling
+    # DistributedSampler (seed 0, epoch 0); at step s replica d takes the s-th item of its share.
+    shares = [list(DistributedSampler(items, replicas, d, shuffle=True, seed=0)) for d in range(replicas)]
+    data: list[Any] = [[items[share[s]] for share in shares] for s in range(steps)]
+    module = PairedPlainLM(folder)
+    quiet_trainer(max_steps=steps, precision="64-true").fit(
+        module, DataLoader(data, batch_size=None, collate_fn=lambda b: b)
+    )
+    return module.model
+
+
+def compare(saved: Path, plain: Any) -> dict[str, float]:
+    """Every weight and the logits of ``from_pretrained(saved)`` against the plain run's model."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64)
+    got, want = loaded.state_dict(), plain.state_dict()
+    assert set(got) == set(want)
+    errors = {k: (got[k] - want[k]).abs().max().item() for k in want}
+    batch = batches(1, seed=7)[0]
+    with torch.no_grad():
+        args = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        errors["logits"] = (loaded.eval()(**args).logits - plain.eval()(**args).logits).abs().max().item()
+    moved = max((want[k] - v).abs().max().item() for k, v in torch_initial(saved.parent / "pretrained").items())
+    assert moved > 1e-3  # the runs trained
+    return errors
+
+
+def torch_initial(folder: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).state_dict()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_k2_equals_the_plain_hf_model(family: str, tmp_path: Path) -> None:
+    """K = 2, M = 4: pretrained folder in, AdamW on padded batches of a new length every step, HF folder out."""
+    save_model(family, tmp_path / "pretrained")
+    losses = run_distributed(
+        pipelined_worker, 2, str(tmp_path / "pretrained"), str(tmp_path / "out"), 2, STEPS, timeout=180, lightning=True
+    )
+    assert losses[0] == losses[1]
+    # One shard per stage; a tied head (GPT-2's) is saved once, as the embedding, as HF saves it.
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    assert ("lm_head.weight" in index["weight_map"]) == (family == "llama")
+    errors = compare(tmp_path / "out", plain_run(tmp_path / "pretrained", STEPS))
+    assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.timeout(250)
+def test_pp2_dp2_equals_ddp_over_the_replicas(tmp_path: Path) -> None:
+    """pp = 2 × dp = 2 with different batches (and lengths) per replica, against the mean of the replicas' losses."""
+    save_model("llama", tmp_path / "pretrained")
+    run_distributed(
+        pipelined_worker, 4, str(tmp_path / "pretrained"), str(tmp_path / "out"), 2, 3, timeout=230, lightning=True
+    )
+    errors = compare(tmp_path / "out", plain_run(tmp_path / "pretrained", 3, replicas=2))
+    assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.timeout(250)
+def test_dropout_k2_equals_k1(tmp_path: Path) -> None:
+    """GPT-2 with dropout in its embedding, attention and residuals: K = 2 trains the same weights as K = 1."""
+    save_model("gpt2", tmp_path / "pretrained", dropout=0.1)
+    for k in (1, 2):
+        run_distributed(
+            pipelined_worker,
+            k,
+            str(tmp_path / "pretrained"),
+            str(tmp_path / f"k{k}"),
+            k,
+            3,
+            timeout=120,
+            lightning=True,
+        )
+    one, two = torch_initial(tmp_path / "k1"), torch_initial(tmp_path / "k2")
+    start = torch_initial(tmp_path / "pretrained")
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
+    assert max((one[k] - two[k]).abs().max().item() for k in one) <= TOL
