@@ -89,8 +89,12 @@ def summary_worker(rank: int, world_size: int) -> list[str]:
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("lightning.pytorch.callbacks.model_summary").addHandler(handler)
+    from lightning.pytorch.callbacks import ModelSummary
+
     strategy = GPipeStrategy(chunks=4, pipeline_parallel_size=2, balance=[5, 2])
-    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=1, enable_model_summary=True)
+    # Named, since Lightning's default is RichModelSummary (printed, not logged) wherever rich is installed.
+    summary = ModelSummary()
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=1, callbacks=[summary])
     trainer.fit(Uneven(), DataLoader(dataset(), batch_size=BATCH))
     return messages
 
