@@ -195,6 +195,45 @@ class _Conv(torch.autograd.Function):
         return gx, None, None
 
 
+def _conv_hooked(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sink: list[Closure],
+    dtype: torch.dtype | None,
+    fn: Callable[..., torch.Tensor],
+    geometry: tuple,
+) -> torch.Tensor:
+    """A convolution on an input that requires grad, as :func:`_linear_hooked`: run on detached parameters, so that
+    autograd's own backward computes the input gradient alone (``convolution_backward`` masked as :class:`_Conv`'s
+    I masks it), in C++; the output gradient kept for W's closure by a hook on the op's node."""
+    xc = _cast(x, dtype)
+    wc = weight.detach() if dtype is None else weight.detach().to(dtype)
+    bc = None if bias is None else bias.detach() if dtype is None else bias.detach().to(dtype)
+    with _no_autocast(x.device.type, dtype):
+        y = fn(xc, wc, bc, *geometry)
+    x_kept, shape = xc.detach(), y.shape
+    stride, padding, dilation, groups = geometry
+    d = wc.dim() - 2
+    full = (_as_list(stride, d), _as_list(padding, d), _as_list(dilation, d), False, [0] * d, int(groups))
+    bias_sizes = None if bias is None else [wc.shape[0]]
+
+    def keep(grad_outputs: tuple[torch.Tensor, ...]) -> None:
+        g = grad_outputs[0].reshape(shape)  # the node may be that of a view's base (a backend's conv1d)
+
+        def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            mask = [False, True, bias is not None]
+            _, gw, gb = torch.ops.aten.convolution_backward(g, x_kept, wc, bias_sizes, *full, mask)
+            return [(weight, _as(gw, wc))] + ([(bias, _as(gb, wc))] if bias is not None else [])
+
+        sink.append(closure)
+
+    node = (y if y._base is None else y._base).grad_fn
+    assert node is not None, "x requires grad, so does the op's output"
+    node.register_prehook(keep)
+    return y
+
+
 class _Embedding(torch.autograd.Function):
     """F.embedding (dense, no max_norm): its whole backward is the weight's, so all of it waits for W."""
 
@@ -267,7 +306,10 @@ class _Deferring(TorchFunctionMode):
                     and x.dim() == w.dim()  # batched input (convolution_backward's shapes)
                     and not isinstance(geometry[1], str)  # padding="same" pads unevenly outside convolution
                 ):
-                    conv = ((w, b), self.sink, _autocast_dtype(x.device.type), func, tuple(geometry))
+                    dtype = _autocast_dtype(x.device.type)
+                    if x.requires_grad:
+                        return _conv_hooked(x, w, b, self.sink, dtype, func, tuple(geometry))
+                    conv = ((w, b), self.sink, dtype, func, tuple(geometry))
                     return _Conv.apply(x, self._anchor(x), conv)
             elif func is F.embedding:
                 names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
