@@ -126,17 +126,33 @@ class _Linear(torch.autograd.Function):
         return gx, None, None
 
 
+@overload
+def _detached(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor: ...
+@overload
+def _detached(t: None, dtype: torch.dtype | None) -> None: ...
+def _detached(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """A parameter outside autograd, cast as autocast casts it (the cheap paths' weights and biases: a float64 one
+    stays float64, as :func:`_cast` keeps it)."""
+    return None if t is None else _cast(t.detach(), dtype)
+
+
+def _on_node(y: torch.Tensor, keep: Callable[[tuple[torch.Tensor, ...]], None]) -> None:
+    """``keep`` called with the output gradient of the op that produced ``y``, on that op's autograd node: a tensor
+    hook is lost when the output is then changed in place, and where aten returns a view (a 3-d input's linear, a
+    backend's conv1d) an in-place op on it reroutes the gradient around the view's node, into its base's."""
+    node = (y if y._base is None else y._base).grad_fn
+    assert node is not None, "the input requires grad, so does the op's output"
+    node.register_prehook(keep)
+
+
 def _linear_hooked(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: list[Closure], dtype: torch.dtype | None
 ) -> torch.Tensor:
     """F.linear with the parameters detached, so that autograd's own addmm backward computes the input gradient
     alone, in C++; a hook on the output keeps its gradient for W's closure. The cheap path, for an input that
     requires grad and is 2-d or contiguous (aten runs both as one addmm on its rows whether or not the weight
-    requires grad); :class:`_Linear` takes the rest. The hook is on the op's autograd node, not on the output: a
-    tensor hook is lost when the output is then changed in place (an ``nn.ReLU(inplace=True)``)."""
-    xc = _cast(x, dtype)  # differentiable, as autocast's cast of the input
-    wc = weight.detach() if dtype is None else weight.detach().to(dtype)
-    bc = None if bias is None else bias.detach() if dtype is None else bias.detach().to(dtype)
+    requires grad); :class:`_Linear` takes the rest. The hook is on the op's autograd node (:func:`_on_node`)."""
+    xc, wc, bc = _cast(x, dtype), _detached(weight, dtype), _detached(bias, dtype)  # x's cast differentiable
     with _no_autocast(x.device.type, dtype):
         y = F.linear(xc, wc, bc)
     x2 = xc.detach().reshape(-1, xc.shape[-1])
@@ -153,11 +169,7 @@ def _linear_hooked(
 
         sink.append(closure)
 
-    # aten returns a 3-d input's output as a view of the 2-d addmm: an in-place op on the view reroutes its gradient
-    # around the view's node, into the addmm's.
-    node = (y if y._base is None else y._base).grad_fn
-    assert node is not None, "x requires grad, so does the op's output"
-    node.register_prehook(keep)
+    _on_node(y, keep)
     return y
 
 
@@ -207,9 +219,7 @@ def _conv_hooked(
     """A convolution on an input that requires grad, as :func:`_linear_hooked`: run on detached parameters, so that
     autograd's own backward computes the input gradient alone (``convolution_backward`` masked as :class:`_Conv`'s
     I masks it), in C++; the output gradient kept for W's closure by a hook on the op's node."""
-    xc = _cast(x, dtype)
-    wc = weight.detach() if dtype is None else weight.detach().to(dtype)
-    bc = None if bias is None else bias.detach() if dtype is None else bias.detach().to(dtype)
+    xc, wc, bc = _cast(x, dtype), _detached(weight, dtype), _detached(bias, dtype)
     with _no_autocast(x.device.type, dtype):
         y = fn(xc, wc, bc, *geometry)
     x_kept, shape = xc.detach(), y.shape
@@ -228,9 +238,7 @@ def _conv_hooked(
 
         sink.append(closure)
 
-    node = (y if y._base is None else y._base).grad_fn
-    assert node is not None, "x requires grad, so does the op's output"
-    node.register_prehook(keep)
+    _on_node(y, keep)
     return y
 
 

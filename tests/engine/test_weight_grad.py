@@ -67,7 +67,12 @@ CASES: list[tuple[str, Callable[[], nn.Module], tuple[int, ...]]] = [
     ("conv3d, groups 2, no bias", lambda: nn.Conv3d(2, 4, 3, groups=2, bias=False), (2, 2, 5, 5, 5)),
     ("embedding, padding_idx", lambda: nn.Embedding(11, 4, padding_idx=0), (3, 5)),
 ]
-DTYPES = {"fp32": (torch.float32, None), "float64": (torch.float64, None), "bf16 autocast": (torch.float32, "bf16")}
+DTYPES = {
+    "fp32": (torch.float32, None),
+    "float64": (torch.float64, None),
+    "bf16 autocast": (torch.float32, "bf16"),
+    "float64 under bf16 autocast": (torch.float64, "bf16"),  # autocast leaves float64 alone
+}
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
