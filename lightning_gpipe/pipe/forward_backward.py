@@ -3,10 +3,11 @@
 The schedules are data (``pipe.schedules``: each rank's ordered actions, drawn there); this executor runs the ones
 marked runnable, "gpipe" and "1f1b" (F m and B m on one chunk per rank), "zb-h1" (B m split into I m and W m:
 ``pipe.weight_grad`` defers the weight gradients of the micro-batch's linear, convolution and embedding ops from I to
-W) and "interleaved-1f1b" (F m and B m on each of the rank's v chunks, one executor per chunk: chunk c of rank r is
-stage cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk c + 1, and its gradient comes back),
-after ``pipe.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout under
-NCCL's ordering rules.
+W; where W m follows I m at once, as on rank 0, the two run as one B m: ``schedules.fuse_halves``) and
+"interleaved-1f1b" (F m and B m on each of the rank's v chunks, one executor per chunk: chunk c of rank r is stage
+cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk c + 1, and its gradient comes back), after
+``pipe.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout under NCCL's
+ordering rules.
 
 Each stage runs its actions in order. Sends never block the host; a forward waits for its input and a backward for
 its output gradient (posted before the recompute, which fills the wait, as in the fill/drain schedule).
