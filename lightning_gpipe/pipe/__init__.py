@@ -11,6 +11,7 @@ from lightning_gpipe.pipe.forward_backward import ScheduleName
 from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch_weights, split
 from lightning_gpipe.pipe.partition import Balance, resolve_balance, solve
 from lightning_gpipe.pipe.rematerialize import is_recomputing
+from lightning_gpipe.pipe.skips import Pop, Stash, pop, skippable, stash
 from lightning_gpipe.pipe.stage import GPipeStage
 from lightning_gpipe.pipe.trace import Timeline, gather_events, read_chrome_trace, write_chrome_trace
 from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble
@@ -22,7 +23,9 @@ __all__ = [
     "GPipeStage",
     "PipelineError",
     "PipelineTimeout",
+    "Pop",
     "ScheduleName",
+    "Stash",
     "Timeline",
     "breakdown",
     "convert_deferred_batch_norm",
@@ -31,11 +34,14 @@ __all__ = [
     "join",
     "micro_batch_sizes",
     "micro_batch_weights",
+    "pop",
     "read_chrome_trace",
     "resolve_balance",
     "revert_deferred_batch_norm",
+    "skippable",
     "solve",
     "split",
+    "stash",
     "theoretical_bubble",
     "write_chrome_trace",
 ]

@@ -60,7 +60,9 @@ from lightning_gpipe.pipe.outputs import join_outputs, output_grads, share_outpu
 from lightning_gpipe.pipe.records import MicroBatch, OutputMode, Step
 from lightning_gpipe.pipe.rematerialize import ForwardState, first_forward, recomputing
 from lightning_gpipe.pipe.rng import StepSeeds, mix, restored_streams
+from lightning_gpipe.pipe.skips import StageSkips
 from lightning_gpipe.pipe.trace import Timeline
+from lightning_gpipe.pipe.transport import SKIP_TAG
 from lightning_gpipe.pipe.weight_grad import WeightGrads
 
 Checkpoint = Literal["always", "except_last", "never"]
@@ -132,6 +134,7 @@ class Executor:
         timeline: Timeline,
         ranks: int | None = None,
         chunk: int = -1,
+        skips: StageSkips | None = None,
     ) -> None:
         self.layers = layers
         self.run = run
@@ -150,6 +153,7 @@ class Executor:
         self.ranks = K = num_stages if ranks is None else ranks
         self.prev_rank, self.next_rank = (index - 1) % K, (index + 1) % K
         self.chunk = chunk  # -1: the rank's only chunk (events and messages name no chunk)
+        self.skips = skips  # the long skips its layers stash and pop (skips.py); None: the backbone declares none
         self.seeds = StepSeeds()
 
     def peers(self) -> Links:
@@ -159,6 +163,44 @@ class Executor:
     def receive(self, m: int, training: bool) -> tuple[Any, dict[str, Any]]:
         """Micro-batch m's input from the previous stage, with its header's fields."""
         return self.peers().receive(m, training, self.prev_rank, self.index, self.chunk)
+
+    def run_with_skips(
+        self, x: Any, seed: int, skips_in: dict[int, list[Any]], copy: bool = True
+    ) -> tuple[Any, dict[int, list[Any]]]:
+        """The stage's layers on a micro-batch given the skips it received; also the skips to send, by stage."""
+        if self.skips is None:
+            return self.run(x, seed, copy), {}
+        with self.skips.tray(skips_in, copy).active() as tray:
+            y = self.run(x, seed, copy)
+        return y, tray.outgoing()
+
+    def receive_skips(self, m: int) -> dict[int, list[Any]]:
+        """Micro-batch m's skips from earlier stages, by stage, after its input came (which carries failures first)."""
+        if self.skips is None or not self.skips.receives:
+            return {}
+        got = {}
+        for src, names in self.skips.receives.items():
+            with self.timeline.record("recv-wait", m, label="skip", chunk=self.chunk):
+                got[src], fields = self.peers().transport.recv(
+                    src, f"micro-batch {m}'s skips {list(names)}", tag=SKIP_TAG
+                )
+            check_header(fields, m, src, self.index, "skips")
+        return got
+
+    def send_skips(
+        self, mb: MicroBatch | None, outgoing: dict[int, list[Any]], needs: bool, fields: dict[str, Any]
+    ) -> None:
+        """Send a micro-batch's skips, with its header ``fields``, to the stages that pop them; with ``mb``
+        (training), a gradient comes back for each differentiable one that requires grad, or could once recomputed
+        (``needs``)."""
+        m = fields["m"]
+        for dst, values in outgoing.items():
+            marks = [differentiable(t) and (t.requires_grad or needs) for t in tensors(values)]
+            metas = self.peers().send(
+                dst, values, m, self.chunk, label="skip", tag=SKIP_TAG, requires_grad=marks, **fields
+            )
+            if mb is not None:
+                mb.skip_marks[dst], mb.skip_metas[dst] = marks, metas
 
     def forward_micro(
         self,
@@ -181,19 +223,23 @@ class Executor:
         # The split only matters where a graph is recorded: a recomputed micro-batch's CPU forward records none.
         defer = not (ckpt and self.device.type == "cpu")
         split = weights.deferring(m) if weights is not None and defer else contextlib.nullcontext()
+        skips_in = self.receive_skips(m)
         with self.timeline.record("forward", m, chunk=self.chunk), deferred_statistics(), graph, split:
-            y = self.run(x, mix(step.seed, m))
+            y, skips_out = self.run_with_skips(x, mix(step.seed, m), skips_in)
         stateful.learn(before)
         check_boundary(y, n, self.batch_dim, self.producer, self.is_last)
-        needs = could_require or any(t.requires_grad for t in tensors(x))
+        needs = could_require or any(t.requires_grad for t in tensors((x, skips_in)))
         marks = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(y)]
-        mb = MicroBatch(x, y, state, marks, buffers=buffers)
+        mb = MicroBatch(x, y, state, marks, buffers=buffers, skips_in=skips_in, skips_out=skips_out)
         step.sizes.append(n)
+        fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed, "stage": self.index}
         if not self.is_last:
-            fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed, "stage": self.index}
             mb.metas = self.peers().send(self.next_rank, y, m, self.chunk, requires_grad=marks, **fields)
             if ckpt:
                 mb.output = None
+        self.send_skips(mb, skips_out, ckpt and needs, fields)
+        if ckpt:
+            mb.skips_out = {}
         step.micro.append(mb)
 
     def backward_micro(
@@ -215,7 +261,12 @@ class Executor:
             expect = [meta for meta, mark in zip(mb.metas, mb.marks) if mark]
             what = f"micro-batch {m}'s output gradient"
             pending = self.peers().transport.post_recv(self.next_rank, what, expect=expect)
-        y = mb.output
+        skip_grads = {
+            dst: self.peers().transport.post_recv(dst, f"micro-batch {m}'s skip gradients", tag=SKIP_TAG, expect=expect)
+            for dst, metas in mb.skip_metas.items()
+            if (expect := [meta for meta, mark in zip(metas, mb.skip_marks[dst]) if mark])
+        }
+        y, skips_out = mb.output, mb.skips_out
         if mb.state is not None:
             with (
                 self.timeline.record("recompute", m, chunk=c),
@@ -225,7 +276,7 @@ class Executor:
                 torch.enable_grad(),
                 weights.deferring(m) if weights is not None else contextlib.nullcontext(),
             ):
-                y = self.run(mb.input, mix(step.seed, m))
+                y, skips_out = self.run_with_skips(mb.input, mix(step.seed, m), mb.skips_in)
         if pending is not None:
             with self.timeline.record("recv-wait", m, label="gradient", chunk=c):
                 grads, fields = pending.wait()
@@ -233,11 +284,17 @@ class Executor:
             pairs = _marked_pairs(y, mb.marks, grads)
         else:
             pairs = roots(y, mb.marks)
+        for dst, skip_pending in skip_grads.items():
+            with self.timeline.record("recv-wait", m, label="skip gradient", chunk=c):
+                grads, fields = skip_pending.wait()
+            check_header(fields, m, dst, self.index, "skip gradients")
+            pairs = [*pairs, *_marked_pairs(skips_out[dst], mb.skip_marks[dst], grads)]
         with self.timeline.record("backward" if weights is None else "backward-input", m, chunk=c):
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         leaves = [t for t in tensors(mb.input) if t.requires_grad]
         grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+        skips_in = mb.skips_in
         step.micro[m] = MicroBatch(None, None, None, [])  # free this micro-batch's memory now
         if not self.is_first:
             marks = [False] * len(grads_in)
@@ -246,6 +303,21 @@ class Executor:
             )
         else:
             input_grads[m] = grads_in
+        for src, values in skips_in.items():
+            if skip_leaves := [t for t in tensors(values) if t.requires_grad]:
+                skip_grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in skip_leaves]
+                marks = [False] * len(skip_grads_in)
+                self.peers().send(
+                    src,
+                    skip_grads_in,
+                    m,
+                    c,
+                    label="skip gradient",
+                    tag=SKIP_TAG,
+                    requires_grad=marks,
+                    m=m,
+                    stage=self.index,
+                )
 
     def weight_micro(self, m: int, weights: WeightGrads) -> None:
         """W m: micro-batch m's deferred weight gradients into ``.grad``."""
@@ -347,15 +419,17 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
                 else:
                     x, got = s.receive(m, training=False)
                     M, n, seed = got["M"], got["n"], got["seed"]
+                skips_in = s.receive_skips(m)
                 with s.timeline.record("forward", m, chunk=s.chunk):
-                    y = s.run(x, mix(seed, m), copy=False)
+                    y, skips_out = s.run_with_skips(x, mix(seed, m), skips_in, copy=False)
                 check_boundary(y, n, batch_dim, s.producer, s.is_last)
                 sizes.append(n)
+                fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": False, "seed": seed, "stage": s.index}
                 if s.is_last:
                     outs.append(y)
                 else:
-                    fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": False, "seed": seed, "stage": s.index}
                     s.peers().send(s.next_rank, y, m, s.chunk, **fields)
+                s.send_skips(None, skips_out, False, fields)
                 m += 1
             commit_deferred_batch_norm(s.layers)
         where[0] = None

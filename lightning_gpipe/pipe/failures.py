@@ -10,7 +10,7 @@ from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.records import OutputMode
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import OUTPUT_TAG
+from lightning_gpipe.pipe.transport import OUTPUT_TAG, SKIP_TAG
 
 
 class FailureHandler:
@@ -22,11 +22,18 @@ class FailureHandler:
     """
 
     def __init__(
-        self, index: int, num_stages: int, links: Links | None, timeline: Timeline, ring: bool = False
+        self,
+        index: int,
+        num_stages: int,
+        links: Links | None,
+        timeline: Timeline,
+        ring: bool = False,
+        skip_peers: tuple[int, ...] = (),
     ) -> None:
         self._index = index
         self._num_stages = num_stages
         self._ring = ring  # interleaving: rank 0 also waits for the last rank and the last rank for rank 0
+        self._skip_peers = skip_peers  # stages it sends long skips to or receives them from (skips.py)
         self._links = links
         self._timeline = timeline
         self._broken: PipelineError | None = None
@@ -87,6 +94,9 @@ class FailureHandler:
         for dst in sorted(neighbours):
             if 0 <= dst < K and dst != k and dst != err.via:
                 self._notify(links, dst, err)
+        for dst in self._skip_peers:  # a stage may be waiting for a skip (or its gradient) from this one
+            if dst != err.via:
+                self._notify(links, dst, err, tag=SKIP_TAG)
         last = self._index == self._num_stages - 1
         if last and output_mode != "last" and phase in ("forward", "evaluation"):
             for dst in range(self._num_stages - 1):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_gpipe.pipe import skips
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
 from lightning_gpipe.pipe.microbatch import detached
 
@@ -168,7 +169,7 @@ def costs_by_time(
     layer, home = None, None
     try:
         # Profiling must not shift the caller's random streams (dropout), or a 'time' run would train differently.
-        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad(), skips.profiling(_as_input):
             for p in params:
                 p.grad = None
             x = sample
@@ -226,7 +227,7 @@ def costs_by_flops(module: nn.Sequential, sample: Any) -> list[float]:
     try:
         # Dropout must not shift the caller's random streams; BatchNorm's running statistics are put back below.
         # With grad, as in training (a layer may branch on it); each layer's graph is dropped after it.
-        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad(), skips.profiling(_as_input):
             x = sample
             for i, layer in enumerate(module):
                 counter = FlopCounterMode(display=False)

@@ -19,6 +19,11 @@ class MicroBatch:
     marks: list[bool]  # which output tensors the next stage differentiates (and sends a gradient for)
     metas: list[TensorMeta] = field(default_factory=list)
     buffers: dict[str, torch.Tensor] | None = None  # checkpointed: what the recompute restores (see buffers.py)
+    # Long skips (see skips.py), by the stage they came from or go to: received ones are part of the boundary.
+    skips_in: dict[int, list[Any]] = field(default_factory=dict)
+    skips_out: dict[int, list[Any]] = field(default_factory=dict)  # graph-carrying; dropped like ``output``
+    skip_marks: dict[int, list[bool]] = field(default_factory=dict)
+    skip_metas: dict[int, list[TensorMeta]] = field(default_factory=dict)
 
 
 @dataclass

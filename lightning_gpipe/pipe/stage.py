@@ -38,21 +38,17 @@ from lightning_gpipe.pipe.forward_backward import (
     forward_backward,
     validate_schedule,
 )
+from lightning_gpipe.pipe.groups import process_groups, skip_groups
 from lightning_gpipe.pipe.indexing import LayerIndex, RemoteLayer
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.microbatch import plan_sizes
 from lightning_gpipe.pipe.partition import Balance, stage_layers
 from lightning_gpipe.pipe.records import OutputMode, Step, validate_output_mode
 from lightning_gpipe.pipe.rng import mix, name_key, reseed
+from lightning_gpipe.pipe.skips import StageSkips, current_tray, plan_skips, skip_pairs
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import (
-    DEFAULT_TIMEOUT_S,
-    Transport,
-    check_upstream_group,
-    cpu_group,
-    upstream_group_for,
-)
+from lightning_gpipe.pipe.transport import DEFAULT_TIMEOUT_S, Transport
 from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 
 
@@ -128,7 +124,7 @@ class GPipeStage(nn.Module):
         output = validate_output_mode(output, "output")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim must be an int ≥ 0 (0: batch-first, 1: time-major), got {batch_dim!r}")
-        groups = _process_groups(group, header_group, upstream_group)
+        groups = process_groups(group, header_group, upstream_group)
         self._index = dist.get_rank(groups[0]) if groups else 0
         self._num_stages = dist.get_world_size(groups[0]) if groups else 1
         self._chunks = chunks
@@ -143,6 +139,7 @@ class GPipeStage(nn.Module):
         v = self._virtual_stages = check_virtual_stages(virtual_stages, K)
         self._balance = agree_on_chunks(module, K, v, balance, sample, groups[1] if groups else None)
         stages = held_stages(r, K, v)
+        skips = _plan_skips(module, self._balance, K, v)
         chunk_layers = [stage_layers(module, self._balance, s) for s in stages]
         layers = [pair for chunk in chunk_layers for pair in chunk]
         self._layer_index = LayerIndex(module, self._balance, r, stages)
@@ -165,7 +162,10 @@ class GPipeStage(nn.Module):
                 groups[0], device=self._device, timeout=wait, header_group=groups[1], upstream_group=groups[2]
             )
             links = Links(transport, StatusCheck(groups[1], self._index, wait), self._index, self._timeline)
-        self._failures = FailureHandler(self._index, self._num_stages, links, self._timeline, ring=v > 1)
+            if skips is not None:
+                transport.add_skip_groups(skip_groups(groups[0], r, skip_pairs(skips)))
+        skip_peers = () if skips is None else tuple(sorted({*skips[r].sends, *skips[r].receives}))
+        self._failures = FailureHandler(self._index, K, links, self._timeline, ring=v > 1, skip_peers=skip_peers)
         self._executors = [
             Executor(
                 owner,
@@ -182,6 +182,7 @@ class GPipeStage(nn.Module):
                 timeline=self._timeline,
                 ranks=K,
                 chunk=c if v > 1 else -1,
+                skips=None if skips is None else skips[stages[c]],
             )
             for c, owner in enumerate(owners)
         ]
@@ -306,9 +307,12 @@ class GPipeStage(nn.Module):
         # first layer (ReLU(inplace=True)) must neither corrupt it nor trip autograd's leaf check, so layers get a copy.
         if copy:
             x = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
+        tray = current_tray()  # long skips: each stash and pop is checked against its layer's declaration
         for name, layer in self._modules.items() if names is None else ((n, self._modules[n]) for n in names):
             assert layer is not None, f"layer {name} was set to None"
             reseed(mix(seed, self._name_keys[name]), self._device)
+            if tray is not None:
+                tray.layer = name
             x = layer(x)
         return x
 
@@ -410,18 +414,13 @@ class GPipeStage(nn.Module):
         self._failures.abort(exc, phase, self._output_mode)
 
 
-def _process_groups(
-    group: dist.ProcessGroup | None, header_group: dist.ProcessGroup | None, upstream_group: dist.ProcessGroup | None
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup] | None:
-    """The pipeline's group (default: the world), a gloo group over its ranks for headers and status checks, and
-    the group for upstream tensors (each made if not given); None when torch.distributed is not initialized: a
-    single stage, with no peers."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if group is None:
-        group = dist.group.WORLD
-        assert group is not None, "torch.distributed is initialized"
-    if upstream_group is None:
-        upstream_group = upstream_group_for(group)
-    check_upstream_group(group, upstream_group)
-    return group, header_group if header_group is not None else cpu_group(group), upstream_group
+def _plan_skips(module: nn.Sequential, balance: list[int], K: int, v: int) -> list[StageSkips] | None:
+    """The long skips of each of the vK stages (``skips``); with chunks, only those that stay within one."""
+    plans = plan_skips(module, balance)
+    if v > 1 and plans is not None and (crossing := skip_pairs(plans)):
+        raise ValueError(
+            f"GPipeStage(virtual_stages={v}): long skips go from one stage to another ((stashing, popping) stage "
+            f"of the vK: {crossing}), which interleaved chunks do not route yet; use virtual_stages=1 with these "
+            "skips, or a balance that keeps each skip within one chunk"
+        )
+    return plans

@@ -8,6 +8,8 @@ on CPU, NCCL on GPU), one per direction: ``group`` carries what flows to higher 
 posting order and a large send ends only when its receive runs, so activations and gradients queued on one
 communicator form a cycle (stage 0: send a0, send a1, recv g0; the last stage: recv a0, send g0, recv a1) that
 hangs; per direction, every queue runs in one order that both of its ends agree on (``nccl_order`` checks it on CPU).
+Long skips between two stages that are not neighbours get a pair of groups of their own (one per direction, over the
+two ranks), so that they never queue behind the chain's traffic, nor it behind them.
 
 Sends never block: they are queued and retired once the peer has received them. On NCCL a wait for tensor data
 makes the CUDA stream wait, not the host (the header, on gloo, already told the host what comes and from whom, and
@@ -20,6 +22,7 @@ from __future__ import annotations
 import pickle
 import struct
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -39,8 +42,13 @@ _PEER_GONE = ("onnection", "remote process exiting", "communicator was aborted")
 # How long a stage waits for a peer before raising PipelineTimeout, unless told otherwise (torch.distributed's default).
 DEFAULT_TIMEOUT_S = 1800.0
 _LEN = struct.Struct("<q")
-# Each directed pair of stages carries one kind of traffic; tags only keep headers apart from tensor bytes.
-HEADER_TAG, DATA_TAG, OUTPUT_TAG, OUTPUT_DATA_TAG = 0, 1, 2, 3
+# Each directed pair of stages carries one kind of traffic; tags keep headers apart from tensor bytes, and long skips
+# (``skips``) apart from the chain's traffic where a pair carries both.
+HEADER_TAG, DATA_TAG, OUTPUT_TAG, OUTPUT_DATA_TAG, SKIP_TAG, SKIP_DATA_TAG = 0, 1, 2, 3, 4, 5
+
+
+# A skip pair's groups seen from one of its stages: downstream (skips), upstream (their gradients), the peer's rank.
+SkipGroups = tuple[dist.ProcessGroup, dist.ProcessGroup, int]
 
 
 @dataclass(frozen=True)
@@ -145,28 +153,53 @@ class Transport:
             self._ordered["up"] = up or nccl_order.OrderedP2P(self.upstream_group, "upstream", stall_s)
         # (work, buffer, peer, whether it is tensor data): kept until the peer received it.
         self._pending_sends: list[tuple[Any, torch.Tensor, int, bool]] = []
+        # Skips' own groups, by peer stage: (downstream, upstream, the peer's rank in them); see add_skip_groups.
+        self._skip_groups: dict[int, SkipGroups] = {}
+        # Tensor bytes by peer stage, since the transport was made: what each link carried, measured.
+        self.bytes_sent: Counter[int] = Counter()
+        self.bytes_received: Counter[int] = Counter()
 
-    def _data_group(self, downstream: bool) -> tuple[str, dist.ProcessGroup]:
-        return ("down", self.group) if downstream else ("up", self.upstream_group)
+    def add_skip_groups(self, groups: dict[int, SkipGroups]) -> None:
+        """Send skips to (and their gradients from) stage ``peer`` on ``groups[peer]``: made by :func:`skip_groups`
+        where transfers run in posting order; elsewhere the pipeline group's tags keep them apart."""
+        for peer, (down, up, rank) in groups.items():
+            self._skip_groups[peer] = (down, up, rank)
+            if nccl_order.enabled() and not self.stream_waits:
+                stall_s = self.timeout.total_seconds()
+                pair = f"skip {min(peer, self.stage)}-{max(peer, self.stage)}"
+                self._ordered[f"skip-down-{peer}"] = nccl_order.OrderedP2P(down, f"{pair} downstream", stall_s)
+                self._ordered[f"skip-up-{peer}"] = nccl_order.OrderedP2P(up, f"{pair} upstream", stall_s)
+
+    def _data_group(self, peer: int, tag: int, downstream: bool) -> tuple[str, dist.ProcessGroup, int]:
+        """The group a tensor to or from stage ``peer`` travels on (``downstream``: towards higher stages), its name
+        in ``_ordered``, and the peer's rank in it."""
+        direction = "down" if downstream else "up"
+        if tag == SKIP_DATA_TAG and peer in self._skip_groups:
+            down, up, rank = self._skip_groups[peer]
+            return f"skip-{direction}-{peer}", down if downstream else up, rank
+        return direction, self.group if downstream else self.upstream_group, peer
 
     def _irecv(self, buf: torch.Tensor, src: int, tag: int, header: bool) -> Any:
         if header:
             return dist.irecv(buf, group=self.header_group, group_src=src, tag=tag)
-        direction, group = self._data_group(downstream=src < self.stage)
+        self.bytes_received[src] += buf.numel()
+        name, group, peer = self._data_group(src, tag, downstream=src < self.stage)
         if self._ordered:
-            return self._ordered[direction].irecv(buf, src)
-        return dist.irecv(buf, group=group, group_src=src, tag=tag)
+            return self._ordered[name].irecv(buf, peer)
+        return dist.irecv(buf, group=group, group_src=peer, tag=tag)
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int, header: bool) -> None:
-        direction, group = ("", self.header_group) if header else self._data_group(downstream=dst > self.stage)
+        name, group, peer = ("", self.header_group, dst) if header else self._data_group(dst, tag, dst > self.stage)
         work: Any
         try:
             if not header and self._ordered:
-                work = self._ordered[direction].isend(buf, dst)
+                work = self._ordered[name].isend(buf, peer)
             else:
-                work = dist.isend(buf, group=group, group_dst=dst, tag=tag)
+                work = dist.isend(buf, group=group, group_dst=peer, tag=tag)
         except RuntimeError as e:
             raise self._lost(e, f"stage {dst} to take a message", dst) from e
+        if not header:
+            self.bytes_sent[dst] += buf.numel()
         # The handle must stay referenced until the peer received it: dropping a gloo send's handle cancels it.
         self._pending_sends.append((work, buf, dst, not header))
 
@@ -267,7 +300,8 @@ class Transport:
         for ordered in {id(o): o for o in self._ordered.values()}.values():
             ordered.abort()
         if self.stream_waits:
-            for group in {id(g): g for g in (self.group, self.upstream_group)}.values():
+            skips = [g for down, up, _ in self._skip_groups.values() for g in (down, up)]
+            for group in {id(g): g for g in (self.group, self.upstream_group, *skips)}.values():
                 if group is not dist.group.WORLD:
                     group.abort()
         self._pending_sends = [s for s in self._pending_sends if not s[3]]
@@ -282,54 +316,3 @@ class Transport:
         while any(not s[0].is_completed() for s in self._pending_sends) and time.monotonic() < deadline:
             time.sleep(0.001)
         self._pending_sends.clear()
-
-
-def cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """Headers and status checks are read on the CPU: with NCCL they need a gloo group over the same ranks."""
-    if dist.get_backend(group) == "gloo":
-        return group
-    if group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
-        raise ValueError(
-            f"the pipeline group uses {dist.get_backend(group)!r}; pass header_group=, a gloo group over the same "
-            "ranks (dist.new_group(ranks, backend='gloo'), created on every rank of the world)"
-        )
-    headers = dist.new_group(backend="gloo")
-    assert isinstance(headers, dist.ProcessGroup), "every rank is a member of a group over all ranks"
-    return headers
-
-
-def runs_in_order(group: dist.ProcessGroup) -> bool:
-    """Whether ``group``'s transfers run in posting order: NCCL, or gloo in ``nccl_order``'s test mode."""
-    return "nccl" in str(dist.get_backend(group)).lower() or nccl_order.enabled()
-
-
-def upstream_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The group for the tensors that flow to lower stages: a second group over ``group``'s ranks where transfers
-    run in order (see ``runs_in_order``); elsewhere ``group`` itself, as gloo matches by tag and buffers sends."""
-    if not runs_in_order(group):
-        return group
-    backend = str(dist.get_backend(group))
-    if group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
-        raise ValueError(
-            f"the pipeline group uses {backend!r}, which runs a group's transfers in posting order, so activations "
-            "and gradients on one group can deadlock; pass upstream_group=, a second group over the same ranks "
-            f"(dist.new_group(ranks, backend={backend!r}), created on every rank of the world)"
-        )
-    upstream = dist.new_group(backend=backend)
-    assert isinstance(upstream, dist.ProcessGroup), "every rank is a member of a group over all ranks"
-    return upstream
-
-
-def check_upstream_group(group: dist.ProcessGroup, upstream: dist.ProcessGroup) -> None:
-    """``upstream`` must hold ``group``'s ranks in the same order, and be another group where order matters."""
-    ranks, up_ranks = dist.get_process_group_ranks(group), dist.get_process_group_ranks(upstream)
-    if up_ranks != ranks:
-        raise ValueError(
-            f"upstream_group holds the ranks {up_ranks}, but the pipeline group holds {ranks}: pass a group over the "
-            "same ranks, in the same order"
-        )
-    if upstream is group and runs_in_order(group):
-        raise ValueError(
-            "upstream_group is the pipeline group itself, whose transfers run in posting order, so activations and "
-            "gradients on one group can deadlock; pass a second group over the same ranks"
-        )

@@ -14,8 +14,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_gpipe.pipe.groups import runs_in_order
 from lightning_gpipe.pipe.hierarchy import Hierarchy, build_hierarchies
-from lightning_gpipe.pipe.transport import runs_in_order
 from lightning_gpipe.strategy._audit import logger
 from lightning_gpipe.strategy._lightning_internals import init_dist_connection
 

@@ -205,10 +205,10 @@ def test_every_path_runs_under_nccl_rules(K: int, world_size: int) -> None:
 
 def _old_layout(rank: int, world_size: int) -> str:
     """The transport as it was: activations and gradients on one group, which the stage now refuses."""
-    import lightning_gpipe.pipe.stage as stage_module
+    import lightning_gpipe.pipe.groups as groups_module
 
     _ordered()
-    stage_module.check_upstream_group = lambda group, upstream: None  # type: ignore[assignment]
+    groups_module.check_upstream_group = lambda group, upstream: None  # type: ignore[assignment]
     x, _ = batch(seed=0)
     stage = GPipeStage(backbone(), chunks=3, group=dist.group.WORLD, upstream_group=dist.group.WORLD, timeout=4)
 
