@@ -236,8 +236,8 @@ def _not_sequential(path: str, found: Any) -> str:
     return (
         f"{what}: GPipeStrategy splits an nn.Sequential between its layers, one stage after the other.{hint} "
         "Else write the part to pipeline as an nn.Sequential; a skip connection that jumps over layers (a U-Net's) "
-        "travels through them in a tuple, each layer taking (x, *skips) and returning what the later layers still "
-        f"need; see {GUIDE}"
+        "is declared: a Stash(name) layer (lightning_gpipe.pipe) where it starts and a Pop(name) layer where it is "
+        f"used, which the pipeline sends straight between their stages; see {GUIDE} and \"Long skip connections\""
     )
 
 

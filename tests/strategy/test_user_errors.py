@@ -85,15 +85,15 @@ def test_a_module_list_gets_the_adapter_recipe_and_a_plain_module_the_skip_recip
     with pytest.raises(TypeError) as info:
         find_backbone(module, "backbone")
     message = str(info.value)
-    assert "backbone.down (2 layers)" in message and "in a tuple, each layer taking (x, *skips)" in message
-    assert "Backbones that are not an nn.Sequential" in message
+    assert "backbone.down (2 layers)" in message and "a Stash(name) layer" in message and "Pop(name)" in message
+    assert "Backbones that are not an nn.Sequential" in message and "Long skip connections" in message
 
 
 def test_the_guide_has_the_section_the_errors_link() -> None:
     from pathlib import Path
 
     guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
-    assert "### Backbones that are not an nn.Sequential" in guide
+    assert "### Backbones that are not an nn.Sequential" in guide and "### Long skip connections" in guide
 
 
 def test_a_one_layer_backbone_names_the_sequential_inside() -> None:
