@@ -237,7 +237,7 @@ def _not_sequential(path: str, found: Any) -> str:
         f"{what}: GPipeStrategy splits an nn.Sequential between its layers, one stage after the other.{hint} "
         "Else write the part to pipeline as an nn.Sequential; a skip connection that jumps over layers (a U-Net's) "
         "is declared: a Stash(name) layer (lightning_gpipe.pipe) where it starts and a Pop(name) layer where it is "
-        f"used, which the pipeline sends straight between their stages; see {GUIDE} and \"Long skip connections\""
+        f'used, which the pipeline sends straight between their stages; see {GUIDE} and "Long skip connections"'
     )
 
 
