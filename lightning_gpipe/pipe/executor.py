@@ -174,34 +174,6 @@ class Executor:
             y = self.run(x, seed, copy)
         return y, tray.outgoing()
 
-    def receive_skips(self, m: int) -> dict[int, list[Any]]:
-        """Micro-batch m's skips from earlier stages, by stage, after its input came (which carries failures first)."""
-        if self.skips is None or not self.skips.receives:
-            return {}
-        got = {}
-        for src, names in self.skips.receives.items():
-            with self.timeline.record("recv-wait", m, label="skip", chunk=self.chunk):
-                got[src], fields = self.peers().transport.recv(
-                    src, f"micro-batch {m}'s skips {list(names)}", tag=SKIP_TAG
-                )
-            check_header(fields, m, src, self.index, "skips")
-        return got
-
-    def send_skips(
-        self, mb: MicroBatch | None, outgoing: dict[int, list[Any]], needs: bool, fields: dict[str, Any]
-    ) -> None:
-        """Send a micro-batch's skips, with its header ``fields``, to the stages that pop them; with ``mb``
-        (training), a gradient comes back for each differentiable one that requires grad, or could once recomputed
-        (``needs``)."""
-        m = fields["m"]
-        for dst, values in outgoing.items():
-            marks = [differentiable(t) and (t.requires_grad or needs) for t in tensors(values)]
-            metas = self.peers().send(
-                dst, values, m, self.chunk, label="skip", tag=SKIP_TAG, requires_grad=marks, **fields
-            )
-            if mb is not None:
-                mb.skip_marks[dst], mb.skip_metas[dst] = marks, metas
-
     def forward_micro(
         self,
         step: Step,
@@ -223,7 +195,7 @@ class Executor:
         # The split only matters where a graph is recorded: a recomputed micro-batch's CPU forward records none.
         defer = not (ckpt and self.device.type == "cpu")
         split = weights.deferring(m) if weights is not None and defer else contextlib.nullcontext()
-        skips_in = self.receive_skips(m)
+        skips_in = self.peers().receive_skips(m, self.skips, self.chunk) if self.skips and self.skips.receives else {}
         with self.timeline.record("forward", m, chunk=self.chunk), deferred_statistics(), graph, split:
             y, skips_out = self.run_with_skips(x, mix(step.seed, m), skips_in)
         stateful.learn(before)
@@ -237,7 +209,9 @@ class Executor:
             mb.metas = self.peers().send(self.next_rank, y, m, self.chunk, requires_grad=marks, **fields)
             if ckpt:
                 mb.output = None
-        self.send_skips(mb, skips_out, ckpt and needs, fields)
+        for dst, values in skips_out.items():
+            mb.skip_marks[dst] = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(values)]
+            mb.skip_metas[dst] = self.peers().send_skips(dst, values, mb.skip_marks[dst], self.chunk, fields)
         if ckpt:
             mb.skips_out = {}
         step.micro.append(mb)
@@ -306,17 +280,8 @@ class Executor:
         for src, values in skips_in.items():
             if skip_leaves := [t for t in tensors(values) if t.requires_grad]:
                 skip_grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in skip_leaves]
-                marks = [False] * len(skip_grads_in)
-                self.peers().send(
-                    src,
-                    skip_grads_in,
-                    m,
-                    c,
-                    label="skip gradient",
-                    tag=SKIP_TAG,
-                    requires_grad=marks,
-                    m=m,
-                    stage=self.index,
+                self.peers().send_skips(
+                    src, skip_grads_in, [False] * len(skip_grads_in), c, {"m": m, "stage": self.index}
                 )
 
     def weight_micro(self, m: int, weights: WeightGrads) -> None:
@@ -419,7 +384,7 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
                 else:
                     x, got = s.receive(m, training=False)
                     M, n, seed = got["M"], got["n"], got["seed"]
-                skips_in = s.receive_skips(m)
+                skips_in = s.peers().receive_skips(m, s.skips, s.chunk) if s.skips and s.skips.receives else {}
                 with s.timeline.record("forward", m, chunk=s.chunk):
                     y, skips_out = s.run_with_skips(x, mix(seed, m), skips_in, copy=False)
                 check_boundary(y, n, batch_dim, s.producer, s.is_last)
@@ -429,7 +394,8 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
                     outs.append(y)
                 else:
                     s.peers().send(s.next_rank, y, m, s.chunk, **fields)
-                s.send_skips(None, skips_out, False, fields)
+                for dst, values in skips_out.items():
+                    s.peers().send_skips(dst, values, [False] * len(tensors(values)), s.chunk, fields)
                 m += 1
             commit_deferred_batch_norm(s.layers)
         where[0] = None

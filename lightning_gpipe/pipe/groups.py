@@ -91,13 +91,13 @@ def skip_groups(group: dist.ProcessGroup, stage: int, pairs: list[tuple[int, int
         gathered: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, ranks)
         pipelines = sorted({p for p in gathered if p is not None})
-    out = {}
+    out: dict[int, SkipGroups] = {}
     for pipeline in pipelines:
         for s, p in pairs:
             members = [pipeline[s], pipeline[p]]
             down, up = (dist.new_group(members, backend=backend) for _ in ("skips", "their gradients"))
             if pipeline == ranks and stage in (s, p):
                 peer = p if stage == s else s
-                assert down is not None and up is not None, "this rank is a member"
+                assert isinstance(down, dist.ProcessGroup) and isinstance(up, dist.ProcessGroup), "a member"
                 out[peer] = (down, up, dist.get_group_rank(down, pipeline[peer]))
     return out

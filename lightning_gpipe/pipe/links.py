@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_gpipe.pipe.skips import StageSkips
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import OUTPUT_TAG, TensorMeta, Transport
+from lightning_gpipe.pipe.transport import OUTPUT_TAG, SKIP_TAG, TensorMeta, Transport
 
 
 class Links:
@@ -47,6 +48,27 @@ class Links:
                 f"{modes[training]}; every stage must call the pipelined module in the same grad mode"
             )
         return x, fields
+
+    def receive_skips(self, m: int, skips: StageSkips, chunk: int = -1) -> dict[int, list[Any]]:
+        """Micro-batch m's long skips from earlier stages, by stage (see ``skips``); called after its input came,
+        which brings a failure upstream first."""
+        got = {}
+        for src, names in skips.receives.items():
+            with self.timeline.record("recv-wait", m, label="skip", chunk=chunk):
+                got[src], fields = self.transport.recv(src, f"micro-batch {m}'s skips {list(names)}", tag=SKIP_TAG)
+            check_header(fields, m, src, skips.index, "skips")
+        return got
+
+    def send_skips(
+        self, dst: int, values: list[Any], marks: list[bool], chunk: int, fields: dict[str, Any]
+    ) -> list[TensorMeta]:
+        """Queue long skips for stage ``dst`` (``marks``: those it sends a gradient back for), or their gradients
+        for the stage they came from (no marks), with the header ``fields``."""
+        gradient = dst < self.index
+        return self.send(
+            dst, values, fields["m"], chunk, label="skip gradient" if gradient else "skip", tag=SKIP_TAG,
+            requires_grad=marks, **fields,
+        )  # fmt: skip
 
     def receive_output(self, src: int) -> Any:
         """The pipeline's output, shared by stage ``src`` (the last) on the output tag."""
