@@ -39,6 +39,7 @@ SMOKE_RUNS = [
     "dp_cost_model",
     "schedules",
     "peers_schedules",
+    "skips",
 ]
 
 
