@@ -277,12 +277,11 @@ class Tray:
 _MISSING = object()
 
 
-def plan_skips(module: nn.Sequential, balance: Sequence[int]) -> list[StageSkips] | None:
-    """Each stage's skips for ``module`` split by ``balance`` (layers per stage), from the layers' declarations (their
-    submodules' too); None when no layer declares one. Raises on declarations that cannot run, naming the layers."""
-    layers = list(module._modules.items())
+def skip_layers(module: nn.Sequential) -> dict[str, tuple[int, int]]:
+    """Each declared skip of ``module``'s layers (their submodules' too): (the layer that stashes it, the layer that
+    pops it), in stashing order; empty when none is declared. Raises on declarations that cannot run, naming them."""
     where: dict[str, dict[str, list[tuple[int, str]]]] = {"stash": {}, "pop": {}}
-    for i, (layer_name, layer) in enumerate(layers):
+    for i, (layer_name, layer) in enumerate(module._modules.items()):
         assert layer is not None, f"layer {layer_name} was set to None"
         for sub_name, sub in layer.named_modules():
             stashed, popped = getattr(sub, _DECLARED, ((), ()))
@@ -291,8 +290,6 @@ def plan_skips(module: nn.Sequential, balance: Sequence[int]) -> list[StageSkips
                     at = where[verb].setdefault(name, [])
                     if not at or at[-1][0] != i:
                         at.append((i, f"{layer_name}.{sub_name}" if sub_name else layer_name))
-    if not where["stash"] and not where["pop"]:
-        return None
     problems = []
     for name in sorted({*where["stash"], *where["pop"]}):
         stashed, popped = where["stash"].get(name, []), where["pop"].get(name, [])
@@ -307,13 +304,23 @@ def plan_skips(module: nn.Sequential, balance: Sequence[int]) -> list[StageSkips
         raise ValueError(
             "the skip declarations of the nn.Sequential cannot run: " + "; ".join(problems) + f" (see {GUIDE})"
         )
+    order = sorted(where["stash"], key=lambda n: (where["stash"][n][0][0], n))
+    return {name: (where["stash"][name][0][0], where["pop"][name][0][0]) for name in order}
+
+
+def plan_skips(module: nn.Sequential, balance: Sequence[int]) -> list[StageSkips] | None:
+    """Each stage's skips for ``module`` split by ``balance`` (layers per stage), from the layers' declarations
+    (:func:`skip_layers`); None when no layer declares one."""
+    skips = skip_layers(module)
+    if not skips:
+        return None
+    names = list(module._modules)
     stage_of = [k for k, count in enumerate(balance) for _ in range(count)]
     plans = [StageSkips(k) for k in range(len(balance))]
-    for name in sorted(where["stash"], key=lambda n: (where["stash"][n][0][0], n)):
-        (i, _), (j, _) = where["stash"][name][0], where["pop"][name][0]
+    for name, (i, j) in skips.items():
         s, p = stage_of[i], stage_of[j]
-        plans[s].stashes[layers[i][0]] = (*plans[s].stashes.get(layers[i][0], ()), name)
-        plans[p].pops[layers[j][0]] = (*plans[p].pops.get(layers[j][0], ()), name)
+        plans[s].stashes[names[i]] = (*plans[s].stashes.get(names[i], ()), name)
+        plans[p].pops[names[j]] = (*plans[p].pops.get(names[j], ()), name)
         if s != p:
             plans[s].sends[p] = (*plans[s].sends.get(p, ()), name)
             plans[p].receives[s] = (*plans[p].receives.get(s, ()), name)

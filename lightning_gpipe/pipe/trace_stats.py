@@ -48,12 +48,12 @@ def transfer_ns(events: Sequence[Event]) -> dict[int, int]:
     K = 1 + max((e.stage for e in events), default=0)
     sends: dict[tuple[int, int, str, int, bool], int] = {}
     for e in events:
-        if e.kind == "send":
+        if e.kind == "send" and not e.label.startswith("skip"):
             key = (e.stage, e.chunk, _phase_of(e, phases), e.micro_batch, e.label == "gradient")
             sends.setdefault(key, e.start_ns)
     out: dict[int, int] = {}
     for e in events:
-        if e.kind != "recv-wait":
+        if e.kind != "recv-wait" or e.label.startswith("skip"):  # a long skip's sender is not a neighbour: not matched
             continue
         phase = _phase_of(e, phases)
         if e.label == "output" or (phase in ("forward", "evaluation") and e.micro_batch < 0):

@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary, get_human_readable_count
 from torch import nn
 
+from lightning_gpipe.pipe.skips import skip_layers
 from lightning_gpipe.strategy._audit import logger
 from lightning_gpipe.strategy._balance import MEASURES, UNITS, Plan
 from lightning_gpipe.strategy._lightning_internals import summarize_with
@@ -29,6 +30,7 @@ class WholeModel:
     trainable: int
     # The backbone's and its ancestors' parameters by qualified name: the summary rows the split would shrink.
     by_module: dict[str, int]
+    skips: dict[str, tuple[int, int]]  # declared long skips: name → (the layer that stashes it, the one that pops it)
 
     @classmethod
     def read(cls, module: nn.Module, path: str, backbone: nn.Sequential) -> WholeModel:
@@ -41,6 +43,7 @@ class WholeModel:
             _unique_numel(module.parameters()),
             _unique_numel(p for p in module.parameters() if p.requires_grad),
             {name: _unique_numel(module.get_submodule(name).parameters()) for name in _ancestors(path)},
+            skip_layers(backbone),
         )
 
 
@@ -136,9 +139,23 @@ class PartitionReport:
             assert weighed is not None
             share = f"Share (last × {self.plan.last_stage_scale:g})" if self._weighed else "Share"
             columns.append((share, [f"{100 * c / total:.1f}%" if total else "-" for c in weighed]))
+        if skips := self.stage_skips():
+            columns.append(("Long skips", skips))
         if devices is not None:
             columns.append(("Ranks", [devices(self.holder(k)) for k in range(self.K)]))
         return columns
+
+    def stage_skips(self) -> list[str]:
+        """Per stage, the declared skips it sends straight to a later stage (→) and receives (←); [] when none
+        crosses stages."""
+        stage_of = [k for k, count in enumerate(self.counts) for _ in range(count)]
+        out: list[list[str]] = [[] for _ in self.counts]
+        for s, p in sorted({(stage_of[i], stage_of[j]) for i, j in self.whole.skips.values()}):
+            if s != p:
+                names = ", ".join(n for n, (i, j) in self.whole.skips.items() if (stage_of[i], stage_of[j]) == (s, p))
+                out[s].append(f"{names} → {p}")
+                out[p].append(f"{names} ← {s}")
+        return ["; ".join(entries) for entries in out] if any(out) else []
 
     def log(self, devices: Callable[[int], str] | None = None) -> None:
         logger.info(f"{self.header()}\n{format_table(self.table(devices))}")

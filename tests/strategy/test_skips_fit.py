@@ -88,3 +88,16 @@ def test_unet_fit_is_the_plain_run(
     for rank, r in enumerate(results):
         assert r["max"] <= 1e-9 and r["checked"] >= 2, (rank, r)
     assert sorted({i for r in results for i in r["ranges"]}) == list(range(14))
+
+
+def test_the_partition_table_shows_where_the_skips_go() -> None:
+    from lightning_gpipe.strategy._balance import Plan
+    from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel
+
+    backbone = guide_unet()()
+    whole = WholeModel.read(backbone, "0", backbone)
+    columns = dict(PartitionReport(whole, Plan([6, 2, 6], "explicit"), [6, 2, 6], None).table())
+    assert columns["Long skips"] == ["full, half → 2", "", "full, half ← 0"]
+    columns = dict(PartitionReport(whole, Plan([2, 3, 9], "explicit"), [2, 3, 9], None).table())
+    assert columns["Long skips"] == ["full → 2", "half → 2", "full ← 0; half ← 1"]
+    assert "Long skips" not in dict(PartitionReport(whole, Plan([14], "explicit"), [14], None).table())
