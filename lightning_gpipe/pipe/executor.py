@@ -62,7 +62,6 @@ from lightning_gpipe.pipe.rematerialize import ForwardState, first_forward, reco
 from lightning_gpipe.pipe.rng import StepSeeds, mix, restored_streams
 from lightning_gpipe.pipe.skips import StageSkips
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import SKIP_TAG
 from lightning_gpipe.pipe.weight_grad import WeightGrads
 
 Checkpoint = Literal["always", "except_last", "never"]
@@ -164,6 +163,10 @@ class Executor:
         """Micro-batch m's input from the previous stage, with its header's fields."""
         return self.peers().receive(m, training, self.prev_rank, self.index, self.chunk)
 
+    def routes(self) -> StageSkips:
+        assert self.skips is not None, "only a stage whose layers declare long skips sends or receives them"
+        return self.skips
+
     def run_with_skips(
         self, x: Any, seed: int, skips_in: dict[int, list[Any]], copy: bool = True
     ) -> tuple[Any, dict[int, list[Any]]]:
@@ -211,7 +214,9 @@ class Executor:
                 mb.output = None
         for dst, values in skips_out.items():
             mb.skip_marks[dst] = [differentiable(t) and (t.requires_grad or (ckpt and needs)) for t in tensors(values)]
-            mb.skip_metas[dst] = self.peers().send_skips(dst, values, mb.skip_marks[dst], self.chunk, fields)
+            mb.skip_metas[dst] = self.peers().send_skips(
+                dst, values, mb.skip_marks[dst], self.chunk, fields, self.routes()
+            )
         if ckpt:
             mb.skips_out = {}
         step.micro.append(mb)
@@ -236,7 +241,7 @@ class Executor:
             what = f"micro-batch {m}'s output gradient"
             pending = self.peers().transport.post_recv(self.next_rank, what, expect=expect)
         skip_grads = {
-            dst: self.peers().transport.post_recv(dst, f"micro-batch {m}'s skip gradients", tag=SKIP_TAG, expect=expect)
+            dst: self.peers().post_skip_grads(dst, m, expect, self.routes())
             for dst, metas in mb.skip_metas.items()
             if (expect := [meta for meta, mark in zip(metas, mb.skip_marks[dst]) if mark])
         }
@@ -280,9 +285,7 @@ class Executor:
         for src, values in skips_in.items():
             if skip_leaves := [t for t in tensors(values) if t.requires_grad]:
                 skip_grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in skip_leaves]
-                self.peers().send_skips(
-                    src, skip_grads_in, [False] * len(skip_grads_in), c, {"m": m, "stage": self.index}
-                )
+                self.peers().send_skip_grads(src, skip_grads_in, m, c, self.routes())
 
     def weight_micro(self, m: int, weights: WeightGrads) -> None:
         """W m: micro-batch m's deferred weight gradients into ``.grad``."""
@@ -395,7 +398,7 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
                 else:
                     s.peers().send(s.next_rank, y, m, s.chunk, **fields)
                 for dst, values in skips_out.items():
-                    s.peers().send_skips(dst, values, [False] * len(tensors(values)), s.chunk, fields)
+                    s.peers().send_skips(dst, values, [False] * len(tensors(values)), s.chunk, fields, s.routes())
                 m += 1
             commit_deferred_batch_norm(s.layers)
         where[0] = None

@@ -10,7 +10,7 @@ from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.records import OutputMode
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import OUTPUT_TAG, SKIP_TAG
+from lightning_gpipe.pipe.transport import OUTPUT_TAG
 
 
 class FailureHandler:
@@ -28,12 +28,13 @@ class FailureHandler:
         links: Links | None,
         timeline: Timeline,
         ring: bool = False,
-        skip_peers: tuple[int, ...] = (),
+        skip_notices: tuple[tuple[int, int], ...] = (),
     ) -> None:
         self._index = index
         self._num_stages = num_stages
         self._ring = ring  # interleaving: rank 0 also waits for the last rank and the last rank for rank 0
-        self._skip_peers = skip_peers  # stages it sends long skips to or receives them from (skips.py)
+        # (rank, tag): where a peer may wait for a long skip or its gradient from this rank (skips.py)
+        self._skip_notices = skip_notices
         self._links = links
         self._timeline = timeline
         self._broken: PipelineError | None = None
@@ -94,9 +95,9 @@ class FailureHandler:
         for dst in sorted(neighbours):
             if 0 <= dst < K and dst != k and dst != err.via:
                 self._notify(links, dst, err)
-        for dst in self._skip_peers:  # a stage may be waiting for a skip (or its gradient) from this one
+        for dst, tag in self._skip_notices:
             if dst != err.via:
-                self._notify(links, dst, err, tag=SKIP_TAG)
+                self._notify(links, dst, err, tag=tag)
         last = self._index == self._num_stages - 1
         if last and output_mode != "last" and phase in ("forward", "evaluation"):
             for dst in range(self._num_stages - 1):

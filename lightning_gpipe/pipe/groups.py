@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from lightning_gpipe.pipe import nccl_order
-from lightning_gpipe.pipe.transport import SkipGroups
+from lightning_gpipe.pipe.transport import SkipGroups, skip_tags
 
 
 def process_groups(
@@ -76,9 +76,10 @@ def check_upstream_group(group: dist.ProcessGroup, upstream: dist.ProcessGroup) 
         )
 
 
-def skip_groups(group: dist.ProcessGroup, stage: int, pairs: list[tuple[int, int]]) -> dict[int, SkipGroups]:
+def skip_groups(group: dist.ProcessGroup, rank: int, pairs: list[tuple[int, int]], K: int) -> SkipGroups:
     """Where transfers run in posting order (see ``runs_in_order``): for each pair (s, p) of stages that long skips
-    cross with this stage in it, two groups over the pair's ranks (skips, their gradients), by the other stage.
+    cross (``skips.skip_pairs``; stage s on rank s % K) between this rank and another, a group over the two ranks
+    for the skips and one for their gradients, by the data tag each carries (``transport.skip_tags``).
 
     Groups are made by every rank of the world in one order (a group made by its members alone would still advance
     their count of groups, and the next group over the world would then get another name on the other ranks): with
@@ -91,13 +92,15 @@ def skip_groups(group: dist.ProcessGroup, stage: int, pairs: list[tuple[int, int
         gathered: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, ranks)
         pipelines = sorted({p for p in gathered if p is not None})
-    out: dict[int, SkipGroups] = {}
+    out: SkipGroups = {}
     for pipeline in pipelines:
-        for s, p in pairs:
-            members = [pipeline[s], pipeline[p]]
-            down, up = (dist.new_group(members, backend=backend) for _ in ("skips", "their gradients"))
-            if pipeline == ranks and stage in (s, p):
-                peer = p if stage == s else s
-                assert isinstance(down, dist.ProcessGroup) and isinstance(up, dist.ProcessGroup), "a member"
-                out[peer] = (down, up, dist.get_group_rank(down, pipeline[peer]))
+        for i, (s, p) in enumerate(pairs):
+            a, b = s % K, p % K
+            if a == b:  # two chunks of one rank: handed over in the process
+                continue
+            for tag in skip_tags(i):
+                made = dist.new_group([pipeline[a], pipeline[b]], backend=backend)
+                if pipeline == ranks and rank in (a, b):
+                    assert isinstance(made, dist.ProcessGroup), "a member"
+                    out[tag + 1] = (made, dist.get_group_rank(made, pipeline[b if rank == a else a]))
     return out

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from lightning_gpipe.pipe._torch_internals import tree_map
+from lightning_gpipe.pipe.microbatch import differentiable, tensors
 from lightning_gpipe.pipe.skips import StageSkips
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import OUTPUT_TAG, SKIP_TAG, TensorMeta, Transport
+from lightning_gpipe.pipe.transport import OUTPUT_TAG, TensorMeta, Transport, skip_tags
 
 
 class Links:
@@ -18,6 +22,8 @@ class Links:
         self.status = status
         self.index = index
         self.timeline = timeline
+        # What a chunk hands another chunk of this rank: (from stage, to stage, m, whether gradients) -> tensors.
+        self._handed: dict[tuple[int, int, int, bool], Any] = {}
 
     def send(
         self, dst: int, obj: Any, micro_batch: int, chunk: int = -1, *, label: str = "", **kwargs: Any
@@ -54,20 +60,49 @@ class Links:
         which brings a failure upstream first."""
         got = {}
         for src, names in skips.receives.items():
+            if skips.local(src):
+                got[src] = self._handed.pop((src, skips.index, m, False))
+                continue
             with self.timeline.record("recv-wait", m, label="skip", chunk=chunk):
-                got[src], fields = self.transport.recv(src, f"micro-batch {m}'s skips {list(names)}", tag=SKIP_TAG)
+                what = f"micro-batch {m}'s skips {list(names)}"
+                got[src], fields = self.transport.recv(skips.rank_of(src), what, tag=skip_tags(skips.pairs[src])[0])
             check_header(fields, m, src, skips.index, "skips")
         return got
 
     def send_skips(
-        self, dst: int, values: list[Any], marks: list[bool], chunk: int, fields: dict[str, Any]
+        self, dst: int, values: list[Any], marks: list[bool], chunk: int, fields: dict[str, Any], skips: StageSkips
     ) -> list[TensorMeta]:
-        """Queue long skips for stage ``dst`` (``marks``: those it sends a gradient back for), or their gradients
-        for the stage they came from (no marks), with the header ``fields``."""
-        gradient = dst < self.index
-        return self.send(
-            dst, values, fields["m"], chunk, label="skip gradient" if gradient else "skip", tag=SKIP_TAG,
-            requires_grad=marks, **fields,
+        """Queue long skips for stage ``dst`` with the header ``fields`` (``marks``: those it sends a gradient back
+        for), or hand them over to another chunk of this rank as the transport delivers them: fresh leaves."""
+        metas = [TensorMeta(t.dtype, tuple(t.shape), mark) for t, mark in zip(tensors(values), marks)]
+        if skips.local(dst):
+            wants = iter(marks)
+            leaf = lambda t: t.detach().requires_grad_(next(wants) and differentiable(t))  # noqa: E731
+            self._handed[(skips.index, dst, fields["m"], False)] = tree_map(
+                lambda x: leaf(x) if isinstance(x, torch.Tensor) else x, values
+            )
+            return metas
+        tag = skip_tags(skips.pairs[dst])[0]
+        self.send(skips.rank_of(dst), values, fields["m"], chunk, label="skip", tag=tag, requires_grad=marks, **fields)
+        return metas
+
+    def post_skip_grads(self, dst: int, m: int, expect: list[TensorMeta], skips: StageSkips) -> Any:
+        """The gradients of micro-batch m's skips that stage ``dst`` popped, posted now; ``wait()`` gives them and the
+        header's fields."""
+        if skips.local(dst):
+            return _Handed(self._handed, (dst, skips.index, m, True), {"m": m, "stage": dst})
+        what, tag = f"micro-batch {m}'s skip gradients", skip_tags(skips.pairs[dst])[1]
+        return self.transport.post_recv(skips.rank_of(dst), what, tag=tag, expect=expect)
+
+    def send_skip_grads(self, src: int, grads: list[torch.Tensor], m: int, chunk: int, skips: StageSkips) -> None:
+        """Micro-batch m's gradients of the skips received from stage ``src``, back to it."""
+        if skips.local(src):
+            self._handed[(skips.index, src, m, True)] = grads
+            return
+        tag, marks = skip_tags(skips.pairs[src])[1], [False] * len(grads)
+        self.send(
+            skips.rank_of(src), grads, m, chunk, label="skip gradient", tag=tag, requires_grad=marks, m=m,
+            stage=skips.index,
         )  # fmt: skip
 
     def receive_output(self, src: int) -> Any:
@@ -92,3 +127,13 @@ def check_header(fields: dict[str, Any], m: int, sender: int, receiver: int, wha
             f"{got_stage}{instead}: the stages run their micro-batches in different orders (every stage must run the "
             "same schedule, with the same M and the same virtual_stages)"
         )
+
+
+class _Handed:
+    """The gradients another chunk of this rank handed over, as a posted receive gives them."""
+
+    def __init__(self, handed: dict[tuple[int, int, int, bool], Any], key: tuple[int, int, int, bool], fields: dict):
+        self.handed, self.key, self.fields = handed, key, fields
+
+    def wait(self) -> tuple[Any, dict[str, Any]]:
+        return self.handed.pop(self.key), self.fields

@@ -48,7 +48,7 @@ from lightning_gpipe.pipe.rng import mix, name_key, reseed
 from lightning_gpipe.pipe.skips import StageSkips, current_tray, plan_skips, skip_pairs
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import DEFAULT_TIMEOUT_S, Transport
+from lightning_gpipe.pipe.transport import DEFAULT_TIMEOUT_S, Transport, skip_tags
 from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 
 
@@ -139,7 +139,7 @@ class GPipeStage(nn.Module):
         v = self._virtual_stages = check_virtual_stages(virtual_stages, K)
         self._balance = agree_on_chunks(module, K, v, balance, sample, groups[1] if groups else None)
         stages = held_stages(r, K, v)
-        skips = _plan_skips(module, self._balance, K, v)
+        skips = plan_skips(module, self._balance, K)
         chunk_layers = [stage_layers(module, self._balance, s) for s in stages]
         layers = [pair for chunk in chunk_layers for pair in chunk]
         self._layer_index = LayerIndex(module, self._balance, r, stages)
@@ -163,9 +163,9 @@ class GPipeStage(nn.Module):
             )
             links = Links(transport, StatusCheck(groups[1], self._index, wait), self._index, self._timeline)
             if skips is not None:
-                transport.add_skip_groups(skip_groups(groups[0], r, skip_pairs(skips)))
-        skip_peers = () if skips is None else tuple(sorted({*skips[r].sends, *skips[r].receives}))
-        self._failures = FailureHandler(self._index, K, links, self._timeline, ring=v > 1, skip_peers=skip_peers)
+                transport.add_skip_groups(skip_groups(groups[0], r, skip_pairs(skips), K))
+        notices = _skip_notices(skips, r, K)
+        self._failures = FailureHandler(self._index, K, links, self._timeline, ring=v > 1, skip_notices=notices)
         self._executors = [
             Executor(
                 owner,
@@ -414,13 +414,15 @@ class GPipeStage(nn.Module):
         self._failures.abort(exc, phase, self._output_mode)
 
 
-def _plan_skips(module: nn.Sequential, balance: list[int], K: int, v: int) -> list[StageSkips] | None:
-    """The long skips of each of the vK stages (``skips``); with chunks, only those that stay within one."""
-    plans = plan_skips(module, balance)
-    if v > 1 and plans is not None and (crossing := skip_pairs(plans)):
-        raise ValueError(
-            f"GPipeStage(virtual_stages={v}): long skips go from one stage to another ((stashing, popping) stage "
-            f"of the vK: {crossing}), which interleaved chunks do not route yet; use virtual_stages=1 with these "
-            "skips, or a balance that keeps each skip within one chunk"
-        )
-    return plans
+def _skip_notices(skips: list[StageSkips] | None, rank: int, K: int) -> tuple[tuple[int, int], ...]:
+    """(rank, tag): each wait for a long skip, or its gradient, from this rank on another (see ``FailureHandler``)."""
+    if skips is None:
+        return ()
+    notices = set()
+    for i, (s, p) in enumerate(skip_pairs(skips)):
+        forward, backward = skip_tags(i)
+        if s % K == rank != p % K:
+            notices.add((p % K, forward))
+        if p % K == rank != s % K:
+            notices.add((s % K, backward))
+    return tuple(sorted(notices))

@@ -8,8 +8,8 @@ on CPU, NCCL on GPU), one per direction: ``group`` carries what flows to higher 
 posting order and a large send ends only when its receive runs, so activations and gradients queued on one
 communicator form a cycle (stage 0: send a0, send a1, recv g0; the last stage: recv a0, send g0, recv a1) that
 hangs; per direction, every queue runs in one order that both of its ends agree on (``nccl_order`` checks it on CPU).
-Long skips between two stages that are not neighbours get a pair of groups of their own (one per direction, over the
-two ranks), so that they never queue behind the chain's traffic, nor it behind them.
+Long skips get groups of their own where order matters (one per pair of stages and direction, over the two ranks),
+so that they never queue behind the chain's traffic, nor it behind them, nor one pair's behind another's.
 
 Sends never block: they are queued and retired once the peer has received them. On NCCL a wait for tensor data
 makes the CUDA stream wait, not the host (the header, on gloo, already told the host what comes and from whom, and
@@ -42,13 +42,18 @@ _PEER_GONE = ("onnection", "remote process exiting", "communicator was aborted")
 # How long a stage waits for a peer before raising PipelineTimeout, unless told otherwise (torch.distributed's default).
 DEFAULT_TIMEOUT_S = 1800.0
 _LEN = struct.Struct("<q")
-# Each directed pair of stages carries one kind of traffic; tags keep headers apart from tensor bytes, and long skips
-# (``skips``) apart from the chain's traffic where a pair carries both.
-HEADER_TAG, DATA_TAG, OUTPUT_TAG, OUTPUT_DATA_TAG, SKIP_TAG, SKIP_DATA_TAG = 0, 1, 2, 3, 4, 5
+# Each directed pair of stages carries one kind of traffic; tags keep headers apart from tensor bytes, the output
+# apart from the chain's traffic, and long skips (``skips``) apart from both and from each other (``skip_tags``).
+HEADER_TAG, DATA_TAG, OUTPUT_TAG, OUTPUT_DATA_TAG, SKIP_TAG = 0, 1, 2, 3, 4
 
 
-# A skip pair's groups seen from one of its stages: downstream (skips), upstream (their gradients), the peer's rank.
-SkipGroups = tuple[dist.ProcessGroup, dist.ProcessGroup, int]
+def skip_tags(pair: int) -> tuple[int, int]:
+    """The header tags of pair ``pair``'s skips and of their gradients (``skips.skip_pairs``; data: tag + 1)."""
+    return SKIP_TAG + 4 * pair, SKIP_TAG + 4 * pair + 2
+
+
+# A long skip's group for one direction of one pair of stages, and the peer's rank in it; by the data tag it carries.
+SkipGroups = dict[int, tuple[dist.ProcessGroup, int]]
 
 
 @dataclass(frozen=True)
@@ -153,30 +158,28 @@ class Transport:
             self._ordered["up"] = up or nccl_order.OrderedP2P(self.upstream_group, "upstream", stall_s)
         # (work, buffer, peer, whether it is tensor data): kept until the peer received it.
         self._pending_sends: list[tuple[Any, torch.Tensor, int, bool]] = []
-        # Skips' own groups, by peer stage: (downstream, upstream, the peer's rank in them); see add_skip_groups.
-        self._skip_groups: dict[int, SkipGroups] = {}
+        # Long skips' own groups by data tag (see add_skip_groups).
+        self._skip_groups: SkipGroups = {}
         # Tensor bytes by peer stage, since the transport was made: what each link carried, measured.
         self.bytes_sent: Counter[int] = Counter()
         self.bytes_received: Counter[int] = Counter()
 
-    def add_skip_groups(self, groups: dict[int, SkipGroups]) -> None:
-        """Send skips to (and their gradients from) stage ``peer`` on ``groups[peer]``: made by :func:`skip_groups`
-        where transfers run in posting order; elsewhere the pipeline group's tags keep them apart."""
-        for peer, (down, up, rank) in groups.items():
-            self._skip_groups[peer] = (down, up, rank)
-            if nccl_order.enabled() and not self.stream_waits:
-                stall_s = self.timeout.total_seconds()
-                pair = f"skip {min(peer, self.stage)}-{max(peer, self.stage)}"
-                self._ordered[f"skip-down-{peer}"] = nccl_order.OrderedP2P(down, f"{pair} downstream", stall_s)
-                self._ordered[f"skip-up-{peer}"] = nccl_order.OrderedP2P(up, f"{pair} upstream", stall_s)
+    def add_skip_groups(self, groups: SkipGroups) -> None:
+        """Send the tensors of each data tag in ``groups`` on its group (``groups.skip_groups``, made where transfers
+        run in posting order; elsewhere the pipeline group's tags keep them apart)."""
+        self._skip_groups.update(groups)
+        if nccl_order.enabled() and not self.stream_waits:
+            for tag, (group, _) in groups.items():
+                name = f"skip tag {tag}"
+                self._ordered[name] = nccl_order.OrderedP2P(group, name, self.timeout.total_seconds())
 
     def _data_group(self, peer: int, tag: int, downstream: bool) -> tuple[str, dist.ProcessGroup, int]:
         """The group a tensor to or from stage ``peer`` travels on (``downstream``: towards higher stages), its name
         in ``_ordered``, and the peer's rank in it."""
+        if tag in self._skip_groups:
+            group, rank = self._skip_groups[tag]
+            return f"skip tag {tag}", group, rank
         direction = "down" if downstream else "up"
-        if tag == SKIP_DATA_TAG and peer in self._skip_groups:
-            down, up, rank = self._skip_groups[peer]
-            return f"skip-{direction}-{peer}", down if downstream else up, rank
         return direction, self.group if downstream else self.upstream_group, peer
 
     def _irecv(self, buf: torch.Tensor, src: int, tag: int, header: bool) -> Any:
@@ -300,7 +303,7 @@ class Transport:
         for ordered in {id(o): o for o in self._ordered.values()}.values():
             ordered.abort()
         if self.stream_waits:
-            skips = [g for down, up, _ in self._skip_groups.values() for g in (down, up)]
+            skips = [g for g, _ in self._skip_groups.values()]
             for group in {id(g): g for g in (self.group, self.upstream_group, *skips)}.values():
                 if group is not dist.group.WORLD:
                     group.abort()
