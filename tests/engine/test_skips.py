@@ -277,3 +277,35 @@ def test_interleaved_routes_skips_between_ranks_and_hands_them_between_chunks(mo
     for r in results:
         _, sent = r["except_last"]
         assert list(sent.values()) == [sum(per_step)], sent
+
+
+def failing_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Stage 2 fails right after its input gradient went to stage 1, before the skips' gradients go to stage 0,
+    which then waits for them (not for a neighbour): the failure notice must reach it on the skips' tag."""
+    import time
+
+    from lightning_gpipe.pipe.links import Links
+
+    warnings.simplefilter("ignore")
+    if rank == 2:
+
+        def fail(*args: Any, **kwargs: Any) -> None:
+            raise ValueError("boom")
+
+        Links.send_skip_grads = fail  # type: ignore[method-assign]
+    stage = GPipeStage(make(), chunks=3, balance=BALANCE, timeout=30)
+    x, target = images(6, 8, seed=0)
+    start = time.monotonic()
+    try:
+        _run(stage, x, target, "1f1b")
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
+    return {"type": None}
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_reaches_the_stage_waiting_for_a_skip_gradient() -> None:
+    results = run_distributed(failing_worker, 3, timeout=50)
+    for rank, r in enumerate(results):
+        assert r["type"] == "PipelineError" and "stage 2 failed" in r["message"] and "boom" in r["message"], (rank, r)
+        assert r["elapsed"] < 10, (rank, r)
