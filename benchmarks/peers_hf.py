@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import time
 from typing import Any
 
@@ -61,7 +62,8 @@ FIXED_COLS = (
 RATIO_COLS = (
     "M|M|; gpipe_torch|**ours gpipe / torch GPipe** (same remat.)|.2f; 1f1b_torch|**ours 1f1b / torch 1F1B** (same "
     "remat.)|.2f; gpipe_el_torch|ours gpipe (except_last) / torch GPipe|.2f; 1f1b_el_torch|ours 1f1b (except_last) / "
-    "torch 1F1B|.2f; ours_plain|ours 1f1b (except_last) / plain|.2f; torch_plain|torch 1F1B / plain|.2f"
+    "torch 1F1B|.2f; ours_plain|ours 1f1b (except_last) / plain|.2f; torch_plain|torch 1F1B / plain|.2f; "
+    "paired_gpipe_torch|gpipe, median of paired steps|.2f; paired_1f1b_torch|1f1b, median of paired steps|.2f"
 )
 VAR_COLS = (
     "system|system|; steps|clean/timed steps|; tokens_per_s|tokens/s|.0f; us_per_token|µs/token|.1f; "
@@ -165,6 +167,9 @@ def tabulate(raw: dict, micro_batches: list[int], batch: int) -> tuple[list[dict
             rows.append({"system": name, "M": M, **st[name], "clean": clean, "grad_diff": entry["grad_diff"][name]})
             rows[-1]["first_loss"] = entry["first_loss"][name]
         ratios.append({"M": M, **{k: med[b] / med[a] for k, (a, b) in RATIOS.items()}})
+        for k in ("gpipe_torch", "1f1b_torch"):  # step s of both ran in the same round, side by side
+            a, b = (entry["records"][n] for n in RATIOS[k])
+            ratios[-1][f"paired_{k}"] = statistics.median(y["s"] / x["s"] for x, y in zip(a, b))
     return rows, ratios
 
 
