@@ -3,8 +3,9 @@ initialization, and a pretrained folder is read into it per stage: each rank's t
 parameters (plus the largest tensor's temporary), never at the model's.
 
 The peak is the running total of the CPU tensor bytes allocated since configure_model() began and not yet freed, as
-torch's allocator reports every allocation and free to the profiler (``profile_memory=True``): a peak over time, every
-tensor counted (parameters, buffers, the temporaries of initialization and loading), not an end state. The resident
+torch's allocator reports every allocation and free to the profiler (``profile_memory=True``, on the thread that
+runs Lightning's setup and hooks, where materialization and loading happen): a peak over time, every tensor counted
+(parameters, buffers, the temporaries of initialization and loading), not an end state. The resident
 set's peak (VmHWM after a reset at the same start) is reported beside it, not asserted: it also holds the pages that
 glibc keeps after a temporary is freed, and the Python objects and modules that Lightning's setup brings in.
 """
