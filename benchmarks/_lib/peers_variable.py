@@ -15,6 +15,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +125,11 @@ def probe_worker(spec: dict) -> None:
         dist.destroy_process_group()
 
 
-def start_probes(probes: dict[str, list[int]], shape: dict, M: int, pg_timeout: float) -> dict:
+def start_probes(
+    probes: dict[str, list[int]], shape: dict, M: int, pg_timeout: float, worker: Callable[[dict], None] | None = None
+) -> dict:
     """Two processes per probe (gloo timeout ``pg_timeout``), all started at once; ``collect_probes`` waits.
+    ``worker`` (default :func:`probe_worker`) runs each rank: peers_hf.py passes its own model's.
 
     Forked, not spawned: they skip importing torch again (nothing has started a thread or a process group here)."""
     import torch.distributed.pipelining  # noqa: F401  (imported once, before the fork)
@@ -137,7 +141,7 @@ def start_probes(probes: dict[str, list[int]], shape: dict, M: int, pg_timeout: 
         d.mkdir()
         spec = dict(dir=str(d), init=f"tcp://127.0.0.1:{free_port()}", shape=shape, M=M, lengths=lengths)
         spec["pg_timeout"] = pg_timeout
-        ps = [ctx.Process(target=probe_worker, args=({**spec, "rank": r},)) for r in (0, 1)]
+        ps = [ctx.Process(target=worker or probe_worker, args=({**spec, "rank": r},)) for r in (0, 1)]
         for p in ps:
             p.start()
         started[name] = {"dir": d, "lengths": lengths, "procs": ps}
@@ -194,16 +198,18 @@ def verdict(lengths: list[int], ranks: list[dict]) -> tuple[str, str]:
     return f"{where}: " + "; ".join(p[1] for p in parts), f"{where}: {parts[0][2]}"
 
 
-def variable_summary(steps: list[dict]) -> list[dict]:
-    """Per system: tokens/s over the clean timed steps (all of them if fewer than 5), worst loss difference."""
+def variable_summary(steps: list[dict], systems: tuple[str, ...] = VAR_SYSTEMS) -> list[dict]:
+    """Per system: tokens/s over the clean timed steps (all of them if fewer than 5), worst loss difference; vs_plain
+    against the system named "plain"."""
     timed_steps, rows = [s for s in steps if not s["warmup"]], []
-    for name in VAR_SYSTEMS:
+    for name in systems:
         clean = [s for s in timed_steps if s[name]["clean"]]
         use = clean if len(clean) >= 5 else timed_steps
         secs, tokens = sum(s[name]["s"] for s in use), sum(s["tokens"] for s in use)
         worst = max(s[name]["rel_diff_vs_plain"] for s in timed_steps)
         rows.append({"system": name, "steps": f"{len(clean)}/{len(timed_steps)}", "tokens_per_s": tokens / secs})
         rows[-1].update(us_per_token=secs / tokens * 1e6, max_rel_diff=worst, match="yes" if worst <= REL_TOL else "NO")
+    plain = next(r["tokens_per_s"] for r in rows if r["system"] == "plain")
     for r in rows:
-        r["vs_plain"] = r["tokens_per_s"] / rows[1]["tokens_per_s"]
+        r["vs_plain"] = r["tokens_per_s"] / plain
     return rows

@@ -154,12 +154,13 @@ def materialize(
         for i, t in local.items():
             if i in resets or i in reasons:
                 continue
-            try:
-                value, note = record.replay(t, device, seed)  # type: ignore[union-attr]
+            try:  # into the new tensor itself where it can: one copy of the tensor, never two
+                value, note = record.replay(t, device, seed, into=fresh[i].detach())  # type: ignore[union-attr]
             except Unreplayable as e:
                 failed[i] = str(e)
                 continue
-            fresh[i].copy_(value)
+            if value.data_ptr() != fresh[i].data_ptr():  # replayed elsewhere
+                fresh[i].copy_(value)
             del value
             if note is None:
                 replayed.add(i)

@@ -26,6 +26,8 @@ NOT_RUN = {
     "output_modes": "python -m benchmarks.output_modes --smoke --out-dir DIR: 45 s",
     "remat_forward_ab": "python -m benchmarks.remat_forward_ab --smoke --out-dir DIR: 67 s",
 }
+# Entry points smoke-run once, by a test of their own below that also checks what they measured.
+SMOKE_RUN_BY_OWN_TEST = {"peers_hf": "test_peers_hf_sets_a_huggingface_llama_beside_torchs_schedules"}
 SMOKE_RUNS = [
     "throughput",
     "overhead",
@@ -64,7 +66,8 @@ def test_benchmark_smoke_run_writes_json_markdown_and_plot(name: str, tmp_path: 
 
 
 def test_every_entry_point_has_a_smoke_run() -> None:
-    assert sorted(SMOKE_RUNS + list(NOT_RUN)) == ENTRY_POINTS
+    assert sorted(SMOKE_RUNS + list(NOT_RUN) + list(SMOKE_RUN_BY_OWN_TEST)) == ENTRY_POINTS
+    assert all(test in globals() for test in SMOKE_RUN_BY_OWN_TEST.values())
     for name in set(ENTRY_POINTS) - {"report"}:
         assert '"--smoke"' in (BENCHMARKS / f"{name}.py").read_text(), name
 
@@ -199,3 +202,25 @@ def test_peers_sets_ours_gpipe_and_1f1b_beside_torchs_schedules(tmp_path: Path) 
     # The variable-length run still works, and ours' 1F1B runs every length with the plain model's loss.
     var = {r["system"]: r for r in data["variable"]}
     assert var["ours except_last"]["match"] == "yes" and var["ours 1f1b (except_last)"]["match"] == "yes"
+
+
+@pytest.mark.timeout(160)
+def test_peers_hf_sets_a_huggingface_llama_beside_torchs_schedules(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="peers_hf.py pipelines a HuggingFace Llama: pip install -e '.[hf]'")
+    data = run_smoke("peers_hf", tmp_path)
+    assert data["command"].startswith("python -m benchmarks.peers_hf --smoke")
+    assert (tmp_path / "peers_hf.md").read_text().startswith("#")
+    rows = data["fixed"]
+    assert {"ours gpipe", "ours 1f1b", "torch GPipe", "torch 1F1B", "plain"} <= {r["system"] for r in rows}
+    (ratios,) = data["ratios"]
+    assert all(ratios[k] > 0 for k in ("gpipe_torch", "1f1b_torch", "gpipe_el_torch", "1f1b_el_torch"))
+    # Same weights and batch: every system's first loss and gradients are the plain HF model's.
+    losses = [r["first_loss"] for r in rows]
+    assert max(losses) - min(losses) <= 1e-6 * max(losses)
+    assert all(r["grad_diff"] <= 1e-6 for r in rows), [(r["system"], r["grad_diff"]) for r in rows]
+    # A new length every step: ours and torch's rebuilt schedule give the plain model's loss; built once, torch's
+    # schedule fails at the first new length (growing: gloo aborts; shrinking: the loss sees the old shape).
+    assert all(r["match"] == "yes" for r in data["variable"]), data["variable"]
+    probes = data["torch_built_once"]
+    assert set(probes) == {"the run's lengths", "first change shrinks"}
+    assert all(p["verdict"].startswith("fails at step 1") for p in probes.values()), probes

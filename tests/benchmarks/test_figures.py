@@ -189,6 +189,7 @@ CHECKS = {
     "overhead": check_overhead,
     "throughput": check_throughput,
     "peers": check_peers,
+    "peers_hf": check_peers,  # the same figure: samples/s per system and M, tokens/s at variable lengths
     "memory": check_memory,
     "memory_schedules": check_memory_schedules,
     "consistency": check_consistency,

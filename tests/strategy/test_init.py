@@ -228,6 +228,35 @@ def test_recorded_calls_are_replayed_exactly() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_tensor_created_empty_is_replayed_in_its_new_memory() -> None:
+    """materialize() gives replay the new tensor: one created empty is initialized in it, to the same values as
+    replayed apart; the others are replayed apart (and copied in)."""
+    with torch.device("meta"), record_init() as record:
+        lazy = Odd()
+    cpu = torch.device("cpu")
+    for t, created_empty in [(lazy.lin.weight, True), (lazy.table, True), (lazy.scale, False), (lazy.steps, False)]:
+        apart, _ = record.replay(t, cpu, SEED)
+        into = torch.full_like(t, float("nan"), device=cpu)
+        value, _ = record.replay(t, cpu, SEED, into=into)
+        assert torch.equal(value, apart)
+        assert (value.data_ptr() == into.data_ptr()) == created_empty
+        assert torch.equal(into, apart) == created_empty
+
+
+@pytest.mark.timeout(60)
+def test_materialize_allocates_a_tensor_created_empty_once() -> None:
+    """An LLM's embedding can be a third of a stage: no second copy of it on the way (the peak would be 1.3×)."""
+    cpu = torch.device("cpu")
+    with torch.device("meta"), record_init() as record:
+        wide = nn.Embedding(4096, 64)
+        nn.init.normal_(wide.weight, std=0.02)  # as transformers initializes it: replayed, not reset
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        materialize(wide, dict(wide.named_modules()), cpu, SEED, record)
+    allocated = sum(max(e.self_cpu_memory_usage, 0) for e in profiler.events())
+    assert wide.weight.nbytes <= allocated < 1.1 * wide.weight.nbytes  # the weight itself, initialized in place
+
+
+@pytest.mark.timeout(60)
 def test_the_project_models_keep_their_reset_parameters_initialization() -> None:
     """This package's models initialize in reset_parameters() by design: bit-identical to before the recording."""
     from lightning_gpipe.models.amoebanet import amoebanet_d
