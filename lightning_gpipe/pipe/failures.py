@@ -9,8 +9,9 @@ from typing import NoReturn
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.records import OutputMode
+from lightning_gpipe.pipe.skips import StageSkips, skip_pairs
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import OUTPUT_TAG
+from lightning_gpipe.pipe.transport import OUTPUT_TAG, skip_tags
 
 
 class FailureHandler:
@@ -114,3 +115,17 @@ class FailureHandler:
         # Best effort: if that peer's process is gone already, nobody waits on this message.
         with suppress(RuntimeError):
             links.transport.send_error(dst, err, tag=tag)
+
+
+def skip_notices(skips: list[StageSkips] | None, rank: int, K: int) -> tuple[tuple[int, int], ...]:
+    """(rank, tag): each wait for a long skip, or its gradient, from this rank on another (see ``FailureHandler``)."""
+    if skips is None:
+        return ()
+    notices = set()
+    for i, (s, p) in enumerate(skip_pairs(skips)):
+        forward, backward = skip_tags(i)
+        if s % K == rank != p % K:
+            notices.add((p % K, forward))
+        if p % K == rank != s % K:
+            notices.add((s % K, backward))
+    return tuple(sorted(notices))

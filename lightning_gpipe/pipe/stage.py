@@ -30,7 +30,7 @@ from lightning_gpipe.pipe.executor import (
     forward_phase,
     validate_checkpoint,
 )
-from lightning_gpipe.pipe.failures import FailureHandler
+from lightning_gpipe.pipe.failures import FailureHandler, skip_notices
 from lightning_gpipe.pipe.forward_backward import (
     LossFn,
     ScheduleName,
@@ -45,10 +45,10 @@ from lightning_gpipe.pipe.microbatch import plan_sizes
 from lightning_gpipe.pipe.partition import Balance, stage_layers
 from lightning_gpipe.pipe.records import OutputMode, Step, validate_output_mode
 from lightning_gpipe.pipe.rng import mix, name_key, reseed
-from lightning_gpipe.pipe.skips import StageSkips, current_tray, plan_skips, skip_pairs
+from lightning_gpipe.pipe.skips import current_tray, plan_skips, skip_pairs
 from lightning_gpipe.pipe.status import StatusCheck
 from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import DEFAULT_TIMEOUT_S, Transport, skip_tags
+from lightning_gpipe.pipe.transport import DEFAULT_TIMEOUT_S, Transport
 from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 
 
@@ -164,7 +164,7 @@ class GPipeStage(nn.Module):
             links = Links(transport, StatusCheck(groups[1], self._index, wait), self._index, self._timeline)
             if skips is not None:
                 transport.add_skip_groups(skip_groups(groups[0], r, skip_pairs(skips), K))
-        notices = _skip_notices(skips, r, K)
+        notices = skip_notices(skips, r, K)
         self._failures = FailureHandler(self._index, K, links, self._timeline, ring=v > 1, skip_notices=notices)
         self._executors = [
             Executor(
@@ -412,17 +412,3 @@ class GPipeStage(nn.Module):
         phase = "backward" if self._steps is not None else "forward"
         self._steps = None
         self._failures.abort(exc, phase, self._output_mode)
-
-
-def _skip_notices(skips: list[StageSkips] | None, rank: int, K: int) -> tuple[tuple[int, int], ...]:
-    """(rank, tag): each wait for a long skip, or its gradient, from this rank on another (see ``FailureHandler``)."""
-    if skips is None:
-        return ()
-    notices = set()
-    for i, (s, p) in enumerate(skip_pairs(skips)):
-        forward, backward = skip_tags(i)
-        if s % K == rank != p % K:
-            notices.add((p % K, forward))
-        if p % K == rank != s % K:
-            notices.add((s % K, backward))
-    return tuple(sorted(notices))
