@@ -1,5 +1,5 @@
 """With interleaving (v = 2 chunks per rank), Lightning's validate and predict loops and a resumed fit are the plain
-run's: the forward-only pipeline goes around the ring v times, and a checkpoint holds the plain module's keys."""
+run's: the forward-only pipeline goes around the ring v times; resumed from a single file or a DCP folder."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def run(strategy: Any, devices: int, ckpt: str | None, epochs: int) -> tuple[Eva
     return module, validated[0], predicted
 
 
-def worker(rank: int, world_size: int, out: str) -> dict[str, Any]:
+def worker(rank: int, world_size: int, out: str, distributed: bool) -> dict[str, Any]:
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")
@@ -67,8 +67,9 @@ def worker(rank: int, world_size: int, out: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(300)
-def test_interleaved_validate_predict_and_resume_are_the_plain_run(tmp_path: Any) -> None:
-    results = run_distributed(worker, 2, str(tmp_path), timeout=280, lightning=True)
+@pytest.mark.parametrize("distributed", [False, True], ids=["one-file", "dcp-folder"])
+def test_interleaved_validate_predict_and_resume_are_the_plain_run(tmp_path: Any, distributed: bool) -> None:
+    results = run_distributed(worker, 2, str(tmp_path), distributed, timeout=280, lightning=True)
     warnings.simplefilter("ignore")
     plain, validated, predicted = run("auto", 1, None, 2)  # the same steps without the resume
     want = torch.cat(predicted)
