@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_gpipe.pipe.trace import COMMUNICATION, Event, chunk_letter
-from lightning_gpipe.pipe.trace_stats import breakdown
+from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble
 
 # Compute on the upper band of a stage's row; waits, sends and reductions on a thin band below it.
 COLORS = {
@@ -82,9 +82,17 @@ def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str =
     head = f"{title} — " if title else ""
     ax.set_title(
         f"{head}K={stats['K']}, M={stats['M']}: bubble {100 * stats['bubble']:.1f}% measured, "
-        f"{100 * stats['theoretical_bubble']:.1f}% = (K−1)/(M+K−1); step {span_ms:.0f} ms",
+        f"{100 * stats['theoretical_bubble']:.1f}% = (K−1)/(M+K−1){_interleaved(stats)}; step {span_ms:.0f} ms",
         fontsize=10,
     )
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return stats
+
+
+def _interleaved(stats: dict) -> str:
+    """With v chunks per rank, the interleaved schedule's own bubble beside GPipe's."""
+    v = stats.get("chunks_per_rank", 1)
+    if v <= 1:
+        return ""
+    return f", {100 * theoretical_bubble(stats['K'], stats['M'], v):.1f}% with v={v} chunks: (K−1)/(vM+K−1)"

@@ -11,9 +11,10 @@ from lightning_gpipe.pipe.trace import COMPUTE, KINDS, Event
 PARTS = tuple(kind for kind in KINDS if kind != "step")
 
 
-def theoretical_bubble(K: int, M: int) -> float:
-    """GPipe's idle fraction (K−1)/(M+K−1) when every unit of work costs the same."""
-    return (K - 1) / (M + K - 1)
+def theoretical_bubble(K: int, M: int, v: int = 1) -> float:
+    """GPipe's idle fraction (K−1)/(M+K−1) when every unit of work costs the same; with v chunks per rank
+    (interleaving, each unit 1/v as long), (K−1)/(vM+K−1)."""
+    return (K - 1) / (v * M + K - 1)
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
@@ -113,6 +114,7 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
         }
     computes = [s["compute_ms"] for s in per_stage.values()]
     K = len(stages)
+    v = 1 + max((e.chunk for e in events), default=0)
     work_ms = sum(s["compute_ms"] + s["update_ms"] for s in per_stage.values()) + per_stage[stages[-1]]["loss_ms"]
     ideal_ms = work_ms / K * (M + K - 1) / M if M else None
 
@@ -126,6 +128,7 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
         "pipeline_span_ms": p_span / 1e6,
         "bubble": sum(s["bubble"] for s in per_stage.values()) / K,
         "theoretical_bubble": theoretical_bubble(K, M) if M else None,
+        "chunks_per_rank": v,
         "load_imbalance": (max(computes) - sum(computes) / K) / (p_span / 1e6),
         "ideal_step_ms": ideal_ms,
         "efficiency": ideal_ms / (span / 1e6) if ideal_ms is not None else None,

@@ -110,6 +110,17 @@ def test_transfer_of_gradients_and_across_the_interleaved_ring_seam() -> None:
         Event("recv-wait", 0, 0, 5 * UNIT, 7 * UNIT, chunk=1),  # chunk b's input: rank 1 chunk a's output, 2 ms
     ]
     assert transfer_ns(events) == {0: 3 * UNIT}
+    # A skip's wait (its sender is no neighbour) and a skip's send are not matched with the chain's.
+    skips = [Event("send", 1, 0, 3 * UNIT, 3 * UNIT + 100, "skip gradient", chunk=1)]
+    skips.append(Event("recv-wait", 0, 0, 6 * UNIT, 8 * UNIT, "skip gradient", chunk=1))
+    assert transfer_ns(events + skips) == {0: 3 * UNIT}
+
+
+def test_the_interleaved_ideal_bubble_divides_by_v() -> None:
+    assert theoretical_bubble(2, 8, 2) == pytest.approx(1 / 17) and theoretical_bubble(2, 8) == pytest.approx(1 / 9)
+    events = [Event("step", k, -1, 0, 10 * UNIT, "train") for k in (0, 1)]
+    events += [Event("forward", k, 0, UNIT, 2 * UNIT, chunk=c) for k in (0, 1) for c in (0, 1)]
+    assert breakdown(events)["chunks_per_rank"] == 2
 
 
 def test_chrome_trace_round_trip_and_gantt(tmp_path: Path) -> None:
