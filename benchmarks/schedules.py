@@ -4,12 +4,12 @@
 # 1. Costs on this machine, in this process (1 thread): each layer's forward (without grad, kept under grad, and
 #    recomputed), backward, zb-h1's split halves, RMSprop update and output bytes, on one micro-batch; the loss; the
 #    one-process engine factor, from the whole model's one-stage pipeline (_lib/costmodel.py says how each enters).
-# 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs):
-#    first each rank times a one-stage pipeline of each of its stages, co-run and alone (the per-stage engine
-#    factors, _lib/costmodel_ranks.py; the K=2 launch also fits gloo's latency and bandwidth by ping-pongs); then a
-#    training step (stage.forward_backward with the loss per micro-batch on the last stage, then RMSprop) for every
-#    schedule the executor runs (pipe.schedules: ``runnable``), by turns, medians of clean steps; then one traced step
-#    per schedule, whose time per rank and kind of work is set beside the simulator's (where the two part).
+# 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs; the
+#    K=2 launch first fits gloo's latency and bandwidth by ping-pongs): a training step (stage.forward_backward with
+#    the loss per micro-batch on the last stage, then RMSprop) for every schedule the executor runs
+#    (pipe.schedules: ``runnable``), and by turns with them each rank's one-stage pipelines of its stages, co-run and
+#    alone (the per-stage engine factors, _lib/costmodel_ranks.py), medians of clean steps; then one traced step per
+#    schedule, whose time per rank and kind of work is set beside the simulator's (where the two part).
 #    Predicted vs measured, for K > usable cores as well (labelled oversubscribed; there the prediction also bounds the
 #    step by the work spread over the cores), and beside it the one-process prediction (what Table 2 rests on).
 # 3. GPipe paper Table 2 at K = --table-k (predicted for every registered schedule, interleaved with v=2): K ∈ {1, 2,
@@ -33,14 +33,7 @@ import torch.distributed as dist
 from benchmarks._lib import report
 from benchmarks._lib.costmodel import LayerCosts, Link, echo, engine_factor, fit_link, ping_pong, predict
 from benchmarks._lib.costmodel import profile_layers as profile
-from benchmarks._lib.costmodel_ranks import (
-    PARTS,
-    engines_of,
-    one_stage_time,
-    parts_rows,
-    rank_stage_times,
-    traced_kinds,
-)
+from benchmarks._lib.costmodel_ranks import PARTS, StageTimes, engines_of, one_stage_time, parts_rows, traced_kinds
 from benchmarks._lib.machine import (
     Runner,
     Timing,
@@ -124,8 +117,8 @@ def runner(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, loss: An
 
 
 def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """One K (= world): gloo's ping-pong fit (K=2), the one-stage pipelines of each rank's stages, then every model's
-    runnable schedules by turns, then one traced step each."""
+    """One K (= world): gloo's ping-pong fit (K=2), then per model its runnable schedules' steps and the one-stage
+    pipelines of each rank's stages (co-run and alone), all by turns, then one traced step per schedule."""
     out: dict[str, Any] = {}
     for _ in range(2 if job["ping"] else 0):  # the first round warms the connection up; the second is kept
         if rank == 0:
@@ -134,17 +127,15 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             echo(0, PING_BYTES, repeat=15)
         dist.barrier()
     timing = job["timing"]
+    single = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group, in one order
     for name, entry in job["models"].items():
+        runners, stages = {}, {}
         x, target = make_batch(name, entry["sizes"])
         loss = per_micro_batch(loss_fn, target, plan_sizes(x, job["M"]))
         model = partial(build, name, entry["sizes"])
-        steps = job["engine_steps"]
-        out.setdefault("stages", {})[name] = {
-            v: rank_stage_times(model, x, loss, balance, v, job["M"], steps, timing)
-            for v, balance in entry["balance"].items()
+        clocks = {
+            v: StageTimes(model, x, loss, balance, v, job["M"], single) for v, balance in entry["balance"].items()
         }
-    for name, entry in job["models"].items():
-        runners, stages = {}, {}
         for v in sorted({V.get(s, 1) for s in RUNNABLE}):  # one stage per chunks-per-rank, the same weights
             torch.manual_seed(0)
             stage = GPipeStage(
@@ -155,12 +146,15 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 virtual_stages=v,
             )
             optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
-            x, target = make_batch(name, entry["sizes"])
             per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
             runners |= {s: runner(stage, optimizer, x, per_micro, s) for s in RUNNABLE if V.get(s, 1) == v}
             stages |= {s: stage for s in RUNNABLE if V.get(s, 1) == v}
-        out[name] = measure(runners, timing).records
-        out.setdefault("traced", {})[name] = {s: traced_kinds(stages[s], r, timing) for s, r in runners.items()}
+        for clock in clocks.values():
+            runners |= clock.runners()
+        records = measure(runners, timing).records
+        out.setdefault("stages", {})[name] = {v: clock.rows(records) for v, clock in clocks.items()}
+        out[name] = {s: records[s] for s in RUNNABLE}
+        out.setdefault("traced", {})[name] = {s: traced_kinds(stages[s], runners[s], timing) for s in RUNNABLE}
     return out
 
 
@@ -293,7 +287,6 @@ def main() -> None:
     parser.add_argument("--table-ms", type=int, nargs="+", default=[1, 4, 32], metavar="M")
     parser.add_argument("--repeat", type=int, default=7, help="repetitions per layer cost (medians)")
     parser.add_argument("--steps", type=int, default=6, help="clean timed steps wanted per schedule")
-    parser.add_argument("--engine-steps", type=int, default=3, help="timed steps per one-stage pipeline of a stage")
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--clean-threshold", type=float, default=0.1)
@@ -304,7 +297,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.ks, args.steps, args.max_steps, args.warmup, args.wait_quiet = [2], 2, 2, 1, 0.0
-        args.engine_steps = 1
         args.micro_batches, args.table_k, args.table_ms, args.repeat = 4, 4, [4], 3
     torch.set_num_threads(1)
     t_start, load_before, snapshot = time.perf_counter(), os.getloadavg(), cpu_snapshot()
@@ -332,7 +324,7 @@ def main() -> None:
             for n, m in models.items()
         }
         job = {"M": M, "timing": timing, "checkpoint": args.checkpoint, "models": entries, "ping": link is None}
-        raw[K] = launch(run_job, K, job | {"engine_steps": args.engine_steps})
+        raw[K] = launch(run_job, K, job)
         link = link or fit_link([tuple(x) for x in raw[K]["ping"]])
         for n, m in models.items():
             m.setdefault("stages", {})[K] = raw[K]["stages"][n]

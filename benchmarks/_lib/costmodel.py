@@ -19,10 +19,11 @@
 #   its layers' costs (``engine_factor``; checkpoint "always" on a stage that is not the last, so that it runs a
 #   middle stage's dropped forwards, recomputes and backwards, else "except_last", the last stage's kept forwards).
 #   Two ways to get it:
-#   - per stage, in the K-process launch (``benchmarks._lib.costmodel_ranks``): each rank times its stages' one-stage
-#     pipelines in its own process while the other ranks time theirs (the co-run the real step has: ranks computing
-#     at once share the memory system and gloo's copies run on the same cores), and once alone, rank by rank. The
-#     validated prediction uses these (``predict(engines=...)``), which need nothing but the K processes.
+#   - per stage, in the K-process launch (``benchmarks._lib.costmodel_ranks.StageTimes``): each rank times its
+#     stages' one-stage pipelines in its own process while the other ranks time theirs (the co-run the real step has:
+#     ranks computing at once share the memory system, and gloo's copies run on the same cores), and alone, rank by
+#     rank, by turns with the validated steps (this VM's speed drifts by 10–20 % over minutes: the factors must be
+#     measured under the steps' conditions). The validated prediction uses these (``predict(engines=...)``).
 #   - one process (``LayerCosts.engine``, for K where no launch is possible, as GPipe's Table 2 at K = 8): the whole
 #     model's one-stage pipeline in this process, times ``corun``, the mean co-run ÷ alone of the launch's stages.
 #     Carried over: the engine's share (the same code per action on every stage) and the co-run slowdown (measured

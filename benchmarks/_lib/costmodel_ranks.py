@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks._lib.costmodel import LayerCosts, Prediction, engine_factor
-from benchmarks._lib.machine import Runner, Timing, pause_until_quiet, timed
+from benchmarks._lib.machine import MIN_CLEAN, Runner, Timing, pause_until_quiet, timed
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import tree_flatten
 from lightning_gpipe.pipe.executor import Checkpoint
@@ -50,51 +50,71 @@ def one_stage_time(
     return statistics.median(times)
 
 
-def rank_stage_times(
-    build: Callable[[], nn.Sequential],
-    x: Any,
-    loss: LossFn,
-    balance: list[int],
-    v: int,
-    M: int,
-    steps: int,
-    timing: Timing,
-) -> list[dict[str, Any]]:
-    """A collective: every stage of the vK (``balance``) as a one-stage pipeline of its layers, in the process of the
-    rank that holds it, timed while every rank times its own (``corun_s``) and alone, rank by rank (``alone_s``: the
-    others wait in a barrier, which uses no CPU). Checkpoint "always" but on the last stage ("except_last"), so that
-    each runs the kinds of actions it runs in a step. ``x``: the model's input (the global batch), ``loss``: the last
-    stage's per micro-batch. Every rank gets every stage's row."""
-    rank, K = dist.get_rank(), dist.get_world_size()
-    single = [dist.new_group([r]) for r in range(K)][rank]  # every rank makes every group, in one order
-    bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
-    mine = []
-    for c in range(v):
-        s = c * K + rank
-        model = build()
-        last = s == len(balance) - 1
-        checkpoint: Checkpoint = "except_last" if last else "always"
-        layers = nn.Sequential(*list(model)[bounds[s] : bounds[s + 1]])
-        mine.append((s, checkpoint, layers, stage_input(model, x, bounds[s]), loss if last else sum_loss))
+class StageTimes:
+    """Every stage of a vK ``balance`` as a one-stage pipeline of its layers, in the process of the rank that holds
+    it: runners for ``measure``, taken by turns with the schedules' steps (so under the same conditions, drifts
+    included), then each stage's median time, co-run (every rank runs its stages at once) and alone (one rank runs
+    its stages, the others wait in a barrier, which uses no CPU). Checkpoint "always" but on the last stage
+    ("except_last"), so that each runs the kinds of actions it runs in a step. ``x``: the model's input (the global
+    batch); ``loss``: the last stage's, per micro-batch; ``single``: a group of this rank alone."""
 
-    def run() -> list[float]:
-        return [one_stage_time(copy.deepcopy(part), xs, f, M, ck, steps, single) for _, ck, part, xs, f in mine]
+    def __init__(
+        self, build: Callable[[], nn.Sequential], x: Any, loss: LossFn, balance: list[int], v: int, M: int, single: Any
+    ) -> None:
+        self.rank, self.K, self.v = dist.get_rank(), dist.get_world_size(), v
+        self.bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
+        self.mine: list[tuple[int, Checkpoint, GPipeStage, Any, LossFn]] = []
+        for c in range(v):
+            s = c * self.K + self.rank
+            model = build()
+            last = s == len(balance) - 1
+            checkpoint: Checkpoint = "except_last" if last else "always"
+            layers = nn.Sequential(*list(model)[self.bounds[s] : self.bounds[s + 1]])
+            stage = GPipeStage(layers, chunks=M, balance=[len(layers)], checkpoint=checkpoint, group=single)
+            self.mine.append((s, checkpoint, stage, stage_input(model, x, self.bounds[s]), loss if last else sum_loss))
+        self.times: dict[str, list[list[float]]] = {}
 
-    pause_until_quiet(timing.wait_quiet / 4, timing.clean_threshold)
-    corun = run()
-    alone: list[float] = []
-    for r in range(K):
-        pause_until_quiet(timing.wait_quiet / 4, timing.clean_threshold)
-        if r == rank:
-            alone = run()
-        dist.barrier()
-    rows = [
-        {"stage": s, "layers": [bounds[s], bounds[s + 1]], "checkpoint": ck, "corun_s": t, "alone_s": a}
-        for (s, ck, *_), t, a in zip(mine, corun, alone, strict=True)
-    ]
-    gathered: list[list[dict[str, Any]] | None] = [None] * K
-    dist.all_gather_object(gathered, rows)
-    return sorted((row for part in gathered for row in part or []), key=lambda row: row["stage"])
+    def _run(self, name: str, here: bool) -> None:
+        times = []
+        for _, _, stage, x, loss in self.mine if here else ():
+            start = time.perf_counter()
+            stage.forward_backward(x, loss)
+            times.append(time.perf_counter() - start)
+        self.times.setdefault(name, []).append(times)
+
+    def _reset(self) -> None:
+        for _, _, stage, _, _ in self.mine:
+            stage.zero_grad(set_to_none=True)
+
+    def runners(self) -> dict[str, Runner]:
+        names = {f"stages v={self.v}": True}
+        names |= {f"stages v={self.v} alone on rank {r}": r == self.rank for r in range(self.K)}
+        return {name: Runner(self._reset, partial(self._run, name, here)) for name, here in names.items()}
+
+    def rows(self, records: dict[str, list[dict]]) -> list[dict[str, Any]]:
+        """A collective: per stage, its layers, checkpoint, and median seconds co-run and alone, over the clean steps
+        of ``measure``'s ``records`` (all of them when fewer than ``MIN_CLEAN``); every rank gets every stage's."""
+
+        def median(name: str, i: int) -> float:
+            recs = records[name]
+            calls = self.times[name][-len(recs) :]  # the warm-up calls have no record
+            clean = [t for t, r in zip(calls, recs, strict=True) if r["clean"]]
+            return statistics.median(t[i] for t in (clean if len(clean) >= MIN_CLEAN else calls))
+
+        alone = f"stages v={self.v} alone on rank {self.rank}"
+        rows = [
+            {
+                "stage": s,
+                "layers": [self.bounds[s], self.bounds[s + 1]],
+                "checkpoint": checkpoint,
+                "corun_s": median(f"stages v={self.v}", i),
+                "alone_s": median(alone, i),
+            }
+            for i, (s, checkpoint, *_) in enumerate(self.mine)
+        ]
+        gathered: list[list[dict[str, Any]] | None] = [None] * self.K
+        dist.all_gather_object(gathered, rows)
+        return sorted((row for part in gathered for row in part or []), key=lambda row: row["stage"])
 
 
 # The timeline's kinds, as the cost model names them (``costmodel.per_rank``).
