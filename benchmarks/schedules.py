@@ -56,6 +56,7 @@ from benchmarks._lib.workloads import (
     per_micro_batch,
 )
 from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.microbatch import plan_sizes
 from lightning_gpipe.pipe.schedules import SCHEDULES
 
@@ -95,7 +96,7 @@ def costs_of(name: str, s: dict[str, Any], M: int, args: argparse.Namespace) -> 
 
 
 # A one-stage pipeline runs "always" for the engine factor: a middle stage's dropped forwards, recomputes and backwards
-ENGINE_CHECKPOINT = "always"
+ENGINE_CHECKPOINT: Checkpoint = "always"
 
 
 def one_stage_step(name: str, s: dict[str, Any], M: int, steps: int) -> float:
@@ -129,7 +130,8 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     timing = job["timing"]
     single = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group, in one order
     for name, entry in job["models"].items():
-        runners, stages = {}, {}
+        runners: dict[str, Runner] = {}
+        stages: dict[str, GPipeStage] = {}
         x, target = make_batch(name, entry["sizes"])
         loss = per_micro_batch(loss_fn, target, plan_sizes(x, job["M"]))
         model = partial(build, name, entry["sizes"])

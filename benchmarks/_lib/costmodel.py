@@ -123,7 +123,7 @@ def _clock(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-KINDS = ("forward", "kept", "recompute", "backward", "update")
+KINDS: tuple[str, ...] = ("forward", "kept", "recompute", "backward", "update")
 KINDS += ("split_kept", "split_recompute", "split_input", "split_weight")
 
 
@@ -196,10 +196,17 @@ def profile_layers(model: nn.Sequential, sample: Any, loss: Any, *, repeat: int 
         loss_times.append(_clock(lambda: loss(y).backward())[0])  # noqa: B023
     return LayerCosts(
         n,
-        **{k: v for k, v in medians.items() if not k.startswith("split_")},
-        out_bytes=out_bytes,
-        grad_bytes=grad_bytes,
-        **{k: v for k, v in medians.items() if k.startswith("split_")},
+        medians["forward"],
+        medians["kept"],
+        medians["recompute"],
+        medians["backward"],
+        medians["update"],
+        out_bytes,
+        grad_bytes,
+        split_kept=medians["split_kept"],
+        split_recompute=medians["split_recompute"],
+        split_input=medians["split_input"],
+        split_weight=medians["split_weight"],
         loss=statistics.median(loss_times[warmup:]),
     )
 
