@@ -1,18 +1,21 @@
 """The simulator as a cost model: each schedule's step predicted from per-layer costs, checked against measured ones."""
 
 # What it does, per model (throughput.py's small AmoebaNet-D and Transformer, _lib/workloads.py):
-# 1. Costs on this machine, in this process (1 thread): each layer's forward (without and under grad), backward,
-#    input-gradient half, RMSprop update and output bytes, on one micro-batch; the loss; the engine factor, from a
-#    one-stage pipeline's measured forward_backward (_lib/costmodel.py says how each enters the model).
-# 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs)
-#    time a training step (stage.forward_backward with the loss per micro-batch on the last stage, then RMSprop) for
-#    every schedule the executor runs (pipe.schedules: ``runnable``), by turns, medians of clean steps; the K=2 launch
-#    first fits gloo's latency and bandwidth by ping-pongs. Predicted vs measured, for K > usable cores as well
-#    (labelled oversubscribed; there the prediction also bounds the step by the work spread over the cores).
+# 1. Costs on this machine, in this process (1 thread): each layer's forward (without grad, kept under grad, and
+#    recomputed), backward, zb-h1's split halves, RMSprop update and output bytes, on one micro-batch; the loss; the
+#    one-process engine factor, from the whole model's one-stage pipeline (_lib/costmodel.py says how each enters).
+# 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs; the
+#    K=2 launch first fits gloo's latency and bandwidth by ping-pongs): a training step (stage.forward_backward with
+#    the loss per micro-batch on the last stage, then RMSprop) for every schedule the executor runs
+#    (pipe.schedules: ``runnable``), and by turns with them each rank's one-stage pipelines of its stages, co-run and
+#    alone (the per-stage engine factors, _lib/costmodel_ranks.py), medians of clean steps; then one traced step per
+#    schedule, whose time per rank and kind of work is set beside the simulator's (where the two part).
+#    Predicted vs measured, for K > usable cores as well (labelled oversubscribed; there the prediction also bounds the
+#    step by the work spread over the cores), and beside it the one-process prediction (what Table 2 rests on).
 # 3. GPipe paper Table 2 at K = --table-k (predicted for every registered schedule, interleaved with v=2): K ∈ {1, 2,
-#    4, K} × M ∈ --table-ms, the same global batch, costs and the engine factor measured per M; AmoebaNet-D with 18
-#    normal cells so that 2 × 8 = 16 stages each get a layer. Writes <out-dir>/schedules.{json,md,png}. From the repo
-#    root: python -m benchmarks.schedules
+#    4, K} × M ∈ --table-ms, the same global batch, costs and the engine factor measured per M in one process, the
+#    co-run factor of the K=2 launch; AmoebaNet-D with 18 normal cells so that 2 × 8 = 16 stages each get a layer.
+#    Writes <out-dir>/schedules.{json,md,png}. From the repo root: python -m benchmarks.schedules
 
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._lib import report
-from benchmarks._lib.costmodel import LayerCosts, Link, corun_factor, echo, engine_factor, fit_link, ping_pong, predict
+from benchmarks._lib.costmodel import LayerCosts, Link, echo, engine_factor, fit_link, ping_pong, predict
 from benchmarks._lib.costmodel import profile_layers as profile
+from benchmarks._lib.costmodel_ranks import PARTS, StageTimes, engines_of, one_stage_time, parts_rows, traced_kinds
 from benchmarks._lib.machine import (
     Runner,
     Timing,
@@ -49,10 +53,11 @@ from benchmarks._lib.workloads import (
     describe,
     loss_fn,
     make_batch,
-    micro_batch_step,
     per_micro_batch,
 )
 from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.executor import Checkpoint
+from lightning_gpipe.pipe.microbatch import plan_sizes
 from lightning_gpipe.pipe.schedules import SCHEDULES
 
 RUNNABLE = [name for name, spec in SCHEDULES.items() if spec.runnable]
@@ -90,26 +95,22 @@ def costs_of(name: str, s: dict[str, Any], M: int, args: argparse.Namespace) -> 
     return quietly(lambda: profile(build(name, s), x, lambda y: loss_fn(y, target), repeat=args.repeat), args)
 
 
-def one_stage_step(name: str, s: dict[str, Any], M: int, checkpoint: str, steps: int) -> float:
-    """The median forward_backward of a one-stage pipeline in this process: the engine against its layers' costs."""
-    model = build(name, s)
-    stage = GPipeStage(model, chunks=M, balance=[len(model)], checkpoint=checkpoint)  # type: ignore[arg-type]
+# A one-stage pipeline runs "always" for the engine factor: a middle stage's dropped forwards, recomputes and backwards
+ENGINE_CHECKPOINT: Checkpoint = "always"
+
+
+def one_stage_step(name: str, s: dict[str, Any], M: int, steps: int) -> float:
+    """The median forward_backward of the whole model's one-stage pipeline in this process (the one-process engine)."""
     x, target = make_batch(name, s)
-    per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
-    times = []
-    for i in range(steps + 2):
-        stage.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        stage.forward_backward(x, per_micro)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    loss = per_micro_batch(loss_fn, target, plan_sizes(x, M))
+    return one_stage_time(build(name, s), x, loss, M, ENGINE_CHECKPOINT, steps)
 
 
 # ---------------------------------------------------------------------------------------------------- workers
 def train_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, loss: Any, schedule: str) -> None:
     stage.forward_backward(x if stage.is_first else None, loss, schedule=schedule)  # type: ignore[arg-type]
-    optimizer.step()
+    with stage.timeline.record("update"):  # nothing unless a traced step turned the timeline on
+        optimizer.step()
 
 
 def runner(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, loss: Any, schedule: str) -> Runner:
@@ -117,7 +118,8 @@ def runner(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, loss: An
 
 
 def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """One K (= world): gloo's ping-pong fit (K=2), then every model's runnable schedules by turns."""
+    """One K (= world): gloo's ping-pong fit (K=2), then per model its runnable schedules' steps and the one-stage
+    pipelines of each rank's stages (co-run and alone), all by turns, then one traced step per schedule."""
     out: dict[str, Any] = {}
     for _ in range(2 if job["ping"] else 0):  # the first round warms the connection up; the second is kept
         if rank == 0:
@@ -125,10 +127,17 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         elif rank == 1:
             echo(0, PING_BYTES, repeat=15)
         dist.barrier()
-    for name, entry in job["models"].items() if job["ping"] else ():
-        out.setdefault("corun", {})[name] = corun_factor(micro_batch_step(name, entry["sizes"], job["M"]))
+    timing = job["timing"]
+    single = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group, in one order
     for name, entry in job["models"].items():
-        runners = {}
+        runners: dict[str, Runner] = {}
+        stages: dict[str, GPipeStage] = {}
+        x, target = make_batch(name, entry["sizes"])
+        loss = per_micro_batch(loss_fn, target, plan_sizes(x, job["M"]))
+        model = partial(build, name, entry["sizes"])
+        clocks = {
+            v: StageTimes(model, x, loss, balance, v, job["M"], single) for v, balance in entry["balance"].items()
+        }
         for v in sorted({V.get(s, 1) for s in RUNNABLE}):  # one stage per chunks-per-rank, the same weights
             torch.manual_seed(0)
             stage = GPipeStage(
@@ -139,10 +148,15 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 virtual_stages=v,
             )
             optimizer = torch.optim.RMSprop(stage.parameters(), lr=1e-4)
-            x, target = make_batch(name, entry["sizes"])
             per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
             runners |= {s: runner(stage, optimizer, x, per_micro, s) for s in RUNNABLE if V.get(s, 1) == v}
-        out[name] = measure(runners, job["timing"]).records
+            stages |= {s: stage for s in RUNNABLE if V.get(s, 1) == v}
+        for clock in clocks.values():
+            runners |= clock.runners()
+        records = measure(runners, timing).records
+        out.setdefault("stages", {})[name] = {v: clock.rows(records) for v, clock in clocks.items()}
+        out[name] = {s: records[s] for s in RUNNABLE}
+        out.setdefault("traced", {})[name] = {s: traced_kinds(stages[s], runners[s], timing) for s in RUNNABLE}
     return out
 
 
@@ -159,8 +173,19 @@ VALIDATION: list[report.Column] = [
     ("within", "within 10 %", ""),
     ("predicted_on_cores_ms", "predicted, cores shared", ".1f"),
     ("ratio_on_cores", "cores shared / measured", ".3f"),
+    ("one_process_ms", "one-process prediction ms", ".1f"),
+    ("ratio_one_process", "one-process / measured", ".3f"),
     ("clean_steps", "clean steps", ""),
     ("note", "note", ""),
+]
+PARTS_COLUMNS: list[report.Column] = [
+    ("model", "model", ""),
+    ("K", "K", ""),
+    ("schedule", "schedule", ""),
+    ("rank", "rank", ""),
+    *[(kind, kind, "") for kind in PARTS],
+    ("step", "step", ""),
+    ("foreign_cores", "other processes (cores)", ".2f"),
 ]
 TABLE2: list[report.Column] = [
     ("model", "model", ""),
@@ -284,8 +309,8 @@ def main() -> None:
     models: dict[str, Any] = {}
     for name in args.models:
         lc, foreign = costs_of(name, sizes[name], M, args)
-        one, foreign_one = quietly(partial(one_stage_step, name, sizes[name], M, args.checkpoint, args.steps), args)
-        lc.engine = engine_factor(lc, one, M, args.checkpoint)
+        one, foreign_one = quietly(partial(one_stage_step, name, sizes[name], M, args.steps), args)
+        lc.engine = engine_factor(lc, one, M, ENGINE_CHECKPOINT)
         models[name] = {"describe": describe(name, sizes[name]), "costs": lc, "one_stage_step_ms": one * 1e3}
         models[name]["foreign_cores"] = {"costs": foreign, "one_stage_step": foreign_one}
         print(f"# {name}: one-stage forward_backward {one * 1e3:.1f} ms, engine factor {lc.engine:.3f}", flush=True)
@@ -302,27 +327,34 @@ def main() -> None:
         }
         job = {"M": M, "timing": timing, "checkpoint": args.checkpoint, "models": entries, "ping": link is None}
         raw[K] = launch(run_job, K, job)
-        if link is None:
-            link = fit_link([tuple(x) for x in raw[K]["ping"]])
-            for n, m in models.items():
-                m["costs"].corun = raw[K]["corun"][n]
+        link = link or fit_link([tuple(x) for x in raw[K]["ping"]])
+        for n, m in models.items():
+            m.setdefault("stages", {})[K] = raw[K]["stages"][n]
+            if K == min(args.ks):  # the co-run factor that the one-process prediction carries to other K
+                rows = [row for part in raw[K]["stages"][n].values() for row in part]
+                m["costs"].corun = statistics.fmean(row["corun_s"] / row["alone_s"] for row in rows)
     assert link is not None, "--ks names at least one K"
-    validation = []
+    validation, parts = [], []
     for K in sorted(args.ks):
         for name, m in models.items():
             for schedule in SCHEDULES:
                 v = V.get(schedule, 1)
-                p = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint)
+                engines = engines_of(m["costs"], m["stages"][K][str(v)], M)
+                p = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint, engines=engines)
+                one = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint)
                 row: dict[str, Any] = {"model": name, "K": K, "M": M, "schedule": schedule, "balance": p.balance}
                 row |= {"predicted_ms": p.step * 1e3, "predicted_on_cores_ms": p.on_cores(cores) * 1e3}
+                row["one_process_ms"] = one.step * 1e3
                 notes = ["oversubscribed"] if K > cores else []
                 if schedule in raw[K][name]:
                     st = stats(raw[K][name][schedule], sizes[name]["batch"])
                     row |= {"measured_ms": st["median_ms"], "clean_steps": st["clean_steps"]}
                     row["ratio"] = row["predicted_ms"] / row["measured_ms"]
                     row["ratio_on_cores"] = row["predicted_on_cores_ms"] / row["measured_ms"]
+                    row["ratio_one_process"] = row["one_process_ms"] / row["measured_ms"]
                     row["within"] = "yes" if abs(row["ratio"] - 1) <= TOLERANCE else "no"
                     notes += ["noisy"] if st["noisy"] else []
+                    parts += parts_rows(name, K, schedule, raw[K]["traced"][name][schedule], p)
                 else:
                     notes.append("not runnable: predicted only")
                 row["note"] = ", ".join(notes)
@@ -335,9 +367,9 @@ def main() -> None:
         costs = {}
         for tm in args.table_ms:
             costs[tm], m["foreign_cores"][f"table costs M={tm}"] = costs_of(name, tsizes[name], tm, args)
-            run = partial(one_stage_step, name, tsizes[name], tm, args.checkpoint, max(2, args.steps // 2))
+            run = partial(one_stage_step, name, tsizes[name], tm, max(2, args.steps // 2))
             one, m["foreign_cores"][f"table one-stage M={tm}"] = quietly(run, args)
-            costs[tm].engine = engine_factor(costs[tm], one, tm, args.checkpoint)
+            costs[tm].engine = engine_factor(costs[tm], one, tm, ENGINE_CHECKPOINT)
             costs[tm].corun = m["costs"].corun
         table[name] = table2(name, costs, link, ks, tsizes[name]["batch"])
         models[name]["table_model"] = describe(name, tsizes[name])
@@ -355,6 +387,7 @@ def main() -> None:
         "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth, "samples": link.samples},
         "models": {n: {**m, "costs": m["costs"].as_dict()} for n, m in models.items()},
         "validation": validation,
+        "parts": parts,
         "table2": table,
         "predicted_from": f"costs measured on {machine}",
         "total_s": total,
@@ -366,18 +399,20 @@ def main() -> None:
         *report.environment_lines(env),
         f"- Command: `{data['command']}`; total {total:.0f} s",
         f"- {load_line.removeprefix('# ')}; per measurement: `models.<name>.foreign_cores` in the JSON",
-        "- Costs per layer, measured in one process (1 thread), medians of "
-        f"{args.repeat}: forward (no grad / under grad), backward, input-gradient half (W = B − I), RMSprop update; "
-        "the loss; gloo latency "
-        f"{link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes); "
-        "the engine factor (a one-stage pipeline's forward_backward over its layers' costs; it scales every compute "
-        "cost): "
+        f"- Costs per layer, measured in one process (1 thread), medians of {args.repeat}: forward (no grad, kept "
+        "under grad, recomputed), backward, zb-h1's split forward, recompute, I and W, RMSprop update; the loss; gloo "
+        f"latency {link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes)."
+        " Step predicted = the last rank's finish in `simulate` (gloo: buffered sends) + the status all-reduce + the "
+        "longest update of a rank (`benchmarks/_lib/costmodel.py`).",
+        "- Engine factors (a one-stage pipeline's forward_backward over its layers' costs; they scale every compute "
+        "cost of a stage): per stage, each rank timing its stages in its process while the others time theirs "
+        "(co-run; `models.<name>.stages` in the JSON), which the prediction uses; one process, the whole model "
+        "(checkpoint always): "
         + ", ".join(f"{n} {m['costs'].engine:.3f}" for n, m in models.items())
-        + "; with K ≥ 2, the co-run factor (a rank's compute while the other computes too, over alone; measured in "
-        "the K=2 launch): "
+        + ", times the co-run factor (co-run ÷ alone of the launch's stages, K = "
+        + f"{min(args.ks)}): "
         + ", ".join(f"{n} {m['costs'].corun:.3f}" for n, m in models.items())
-        + ". Step predicted = the last rank's finish in `simulate` (gloo: buffered sends) + the status all-reduce "
-        "+ the longest update of a rank (`benchmarks/_lib/costmodel.py`).",
+        + ", which the one-process prediction and Table 2 use.",
         f"- Measured step: `stage.forward_backward(x, loss per micro-batch, schedule=...)` + RMSprop, median of clean "
         f"steps (barriers around), checkpoint={args.checkpoint}, the schedules by turns in the same processes.",
         f"- Rows with K > {cores} usable cores are oversubscribed (stages share cores); 'cores shared' bounds the "
@@ -388,6 +423,28 @@ def main() -> None:
         f"## Predicted vs measured, M = {M}",
         "",
         report.markdown_table(validation, VALIDATION),
+        "",
+        "## Where they part: a traced step per schedule, measured / predicted ms per rank",
+        "",
+        "forward: F (dropped and kept); recompute: R before a backward; backward: B, or I and W, with the last "
+        "stage's loss; update: RMSprop; other: the rest of the step (waits for a peer, transfers, sends, the status "
+        "check, the engine between actions). One step with the timeline on, after the timed ones.",
+        "",
+        report.markdown_table(parts, PARTS_COLUMNS),
+        "",
+        "Engine factor per stage (co-run; alone) and layers:",
+        "",
+        *[
+            f"- {n}, K = {K}, v = {v}: "
+            + ", ".join(
+                f"stage {row['stage']} {row['layers']} {engines_of(m['costs'], [row], M)[tuple(row['layers'])]:.3f}"
+                f" ({row['corun_s'] / row['alone_s']:.3f} × alone)"
+                for row in rows
+            )
+            for n, m in models.items()
+            for K, by_v in m["stages"].items()
+            for v, rows in by_v.items()
+        ],
         "",
         f"## GPipe Table 2 at K ≤ {args.table_k}: predicted from costs measured on {machine}",
         "",

@@ -48,8 +48,10 @@ class ScheduleError(ValueError):
 @dataclass(frozen=True)
 class Costs:
     """Time units of each action on one chunk; R: the recompute before a backward whose graph was not kept;
-    transfer: from a send and its receive both running to both completing; grad_transfer: the same for the chunk's
-    input gradient, sent back (None: ``transfer``; the two differ where the stage's input and output do)."""
+    F_kept: the forward of a micro-batch whose graph is kept (None: ``F``; on the CPU a dropped one runs without
+    autograd, so the two differ); transfer: from a send and its receive both running to both completing;
+    grad_transfer: the same for the chunk's input gradient, sent back (None: ``transfer``; the two differ where the
+    stage's input and output do)."""
 
     F: float = 1.0
     B: float = 2.0
@@ -58,6 +60,7 @@ class Costs:
     R: float = 0.0
     transfer: float = 0.0
     grad_transfer: float | None = None
+    F_kept: float | None = None
 
 
 @dataclass
@@ -201,7 +204,10 @@ class _Run:
             if need is not None and need not in self.arrived:
                 return moved
             start = max(self.ready[r], self.arrived[need] if need is not None else 0.0)
-            end = start + getattr(cost, a.kind)
+            took = getattr(cost, a.kind)
+            if a.kind == "F" and cost.F_kept is not None and keeps_graph(self.checkpoint, ops, a.m, a.c):
+                took = cost.F_kept
+            end = start + took
             self.timeline[r].append((a, start, end))
             self.clock[r], self.need[r], self.started[r] = end, None, False
             self.live[r] += 1 if a.kind == "F" else -1 if a.kind in ("B", "W") else 0

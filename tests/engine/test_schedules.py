@@ -191,3 +191,17 @@ def test_costs_recompute_and_transfers() -> None:
     assert simulate(actions, 2, costs={(0, 0): Costs(R=3)}, checkpoint="always").makespan == 6
     assert simulate(actions, 2, costs={(0, 0): Costs(R=4)}, checkpoint="always").makespan == 7
     assert simulate(actions, 2, costs=Costs(R=1), checkpoint="except_last").makespan == 6  # F0 B0 keeps its graph
+
+
+def test_a_kept_forward_costs_f_kept_a_dropped_one_f() -> None:
+    """GPipe at K = 2, M = 2, ``except_last``: rank 0 drops both graphs (forward F = 1 each), the last rank keeps
+    both (F_kept = 3 each): rank 1 runs 1–4, 4–6, 6–9, 9–11 and rank 0's B1 ends at 13; with every graph kept
+    (``never``) rank 0 pays F_kept too. Without F_kept, F is every forward's cost: 9."""
+    actions = SCHEDULES["gpipe"].actions(2, 2, 1)
+    costs = Costs(F=1, F_kept=3, B=2)
+    result = simulate(actions, 2, costs=costs, checkpoint="except_last")
+    assert [end - start for a, start, end in result.timeline[0] if a.kind == "F"] == [1, 1]
+    assert [end - start for a, start, end in result.timeline[1] if a.kind == "F"] == [3, 3]
+    assert simulate(actions, 2, costs=costs, checkpoint="never").timeline[0][1][1:] == (3, 6)
+    assert result.makespan == 13
+    assert simulate(actions, 2, costs=Costs(F=1, B=2), checkpoint="except_last").makespan == 9
