@@ -35,7 +35,7 @@ from benchmarks._lib.machine import (
     wait_quiet,
     zeroed,
 )
-from benchmarks._lib.peers_variable import REL_TOL, collect_probes, rel, start_probes, variable_summary
+from benchmarks._lib.peers_variable import REL_TOL, collect_probes, plot_peers, rel, start_probes, variable_summary
 
 LENGTHS, SMOKE_LENGTHS = [64, 96, 48, 112, 32, 128, 80, 40, 120, 56], [16, 24, 8, 12]
 OURS = {  # system: (schedule, checkpoint)
@@ -174,49 +174,14 @@ def tabulate(raw: dict, micro_batches: list[int], batch: int) -> tuple[list[dict
 
 
 def plot(data: dict) -> Any:
-    """The figure of a results file (its JSON, loaded). Left: samples/s per system and M (torch's hatched); right:
-    tokens/s at variable lengths, and a one-line note of what torch's schedule built once did (the full errors: the
-    JSON)."""
-    rows, var_rows, probes, shape = data["fixed"], data["variable"], data["torch_built_once"], data["job"]["shape"]
-    micro_batches = list(dict.fromkeys(r["M"] for r in rows))
-    systems = list(dict.fromkeys(r["system"] for r in rows))
-    colors = {name: f"C{j}" for j, name in enumerate(systems)}
-    spare = iter(f"C{j}" for j in range(10) if f"C{j}" not in colors.values())
-    for r in var_rows:
-        if r["system"] not in colors:
-            colors[r["system"]] = next(spare, "k")
-    fig, axes = report.subplots(1, 2, figsize=(13, 5.4), gridspec_kw={"width_ratios": [3, 2]})
-    a, b = axes[0]
-    w = 0.8 / len(systems)
-    for j, name in enumerate(systems):
-        ys = [next(r["samples_per_s"] for r in rows if r["system"] == name and r["M"] == M) for M in micro_batches]
-        xs = [i + (j - (len(systems) - 1) / 2) * w for i in range(len(micro_batches))]
-        a.bar(xs, ys, w, color=colors[name], label=name, hatch="//" if name.startswith("torch") else None)
-    a.set_xticks(range(len(micro_batches)), [f"M={M}" for M in micro_batches])
-    a.set(xlabel="M (micro-batches)", ylabel="throughput (samples/s, median step)")
-    a.set_title(f"fixed shape, batch {shape['batch']} × {shape['seq']} tokens", fontsize=10)
-    fig.legend(*a.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
-    names = [r["system"] for r in var_rows]
-    b.bar(range(len(names)), [r["tokens_per_s"] for r in var_rows], color=[colors[n] for n in names])
-    failed = [p["short"] for p in probes.values()]
-    labels = [n.replace(" ", "\n", 2) for n in names] + (["torch 1F1B\nbuilt once"] if failed else [])
-    b.set_xticks(range(len(labels)), labels, fontsize=7)
-    b.set_xlim(-0.6, len(labels) - 0.4)
-    if failed:  # no bar: it did not run; why, in one line per probe
-        b.text(len(names), 0, "\n".join(failed), rotation=90, ha="center", va="bottom", fontsize=7, color="C3")
-    b.set(xlabel="system", ylabel="throughput (tokens/s over the clean timed steps)")
-    lengths, m = data["job"]["lengths"], data["job"]["var_m"]
-    b.set_title(f"a new sequence length every step ({min(lengths)}–{max(lengths)} tokens), M={m}", fontsize=10)
+    """The figure of a results file (see ``peers_variable.plot_peers``; torch's bars hatched)."""
+    shape = data["job"]["shape"]
     what = (
         f"A HuggingFace Llama pipelined by ours vs torch.distributed.pipelining, K = 2: {shape['layers']} decoder "
         f"layers (hidden {shape['hidden']}, vocabulary {shape['vocab']}), loss inside the pipeline"
     )
-    return report.title(fig, what, data["environment"])
-
-
-def table(rows: list[dict], spec: str) -> str:
-    """report.markdown_table with its columns given as "key|header|format; ..."."""
-    return report.markdown_table(rows, [tuple(c.strip().split("|")) for c in spec.split(";")])  # type: ignore[misc]
+    fixed = f"fixed shape, batch {shape['batch']} × {shape['seq']} tokens"
+    return plot_peers(data, fixed, "torch 1F1B\nbuilt once", what, hatch_torch=True, ncol=4)
 
 
 def markdown(
@@ -257,15 +222,15 @@ def markdown(
         "\n".join([*report.environment_lines(env), extra]),
         model,
         f"## Fixed shape (batch {s['batch']} × {s['seq']} tokens)",
-        table(rows, FIXED_COLS),
-        table(ratios, RATIO_COLS),
+        report.markdown_table(rows, report.columns(FIXED_COLS)),
+        report.markdown_table(ratios, report.columns(RATIO_COLS)),
         f"First-step loss, same weights and batch: {sanity}",
         f"## Variable sequence length: {var}",
         "`torch 1F1B rebuilt per step`: a new torch `PipelineStage` + `Schedule1F1B` around the same stage module "
         "every step; its time includes the build and torch's runtime shape inference. Ours' stages are built once. "
         "Step -1 is the warm-up.",
-        table(var_rows, VAR_COLS.format(tol=REL_TOL)),
-        table(per_step, STEP_COLS),
+        report.markdown_table(var_rows, report.columns(VAR_COLS.format(tol=REL_TOL))),
+        report.markdown_table(per_step, report.columns(STEP_COLS)),
         "### torch's Schedule1F1B built once (first length), then fed the next lengths",
         "\n".join(probe_lines),
         f"Command: `{report.command_line('peers_hf')}`",

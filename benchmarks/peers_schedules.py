@@ -211,8 +211,8 @@ def main() -> None:
             '(every micro-batch recomputed); ours: checkpoint="always" (the same) or, marked (except_last), ours\' '
             "default. Every system alternates step by step in the same two processes; a step = forward + loss + "
             "backward between barriers; medians of clean steps. Ratios: throughput of the first over the second.",
-            report.markdown_table(rows, _columns(FIXED_COLS)),
-            report.markdown_table(ratios, _columns(RATIO_COLS)),
+            report.markdown_table(rows, report.columns(FIXED_COLS)),
+            report.markdown_table(ratios, report.columns(RATIO_COLS)),
             f"Command: `{report.command_line('peers_schedules')}`",
         ]
     )
@@ -221,10 +221,6 @@ def main() -> None:
     data.update(fixed=rows, ratios=ratios, raw_fixed=raw["fixed"], total_s=total)
     paths = report.write("peers_schedules", data, md, out_dir=args.out_dir, plot=plot)
     print(f"# wrote {', '.join(paths.values())}")
-
-
-def _columns(spec: str) -> list[tuple[str, ...]]:
-    return [tuple(c.strip().split("|")) for c in spec.split(";")]
 
 
 if __name__ == "__main__":

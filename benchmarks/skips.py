@@ -168,7 +168,7 @@ def main() -> None:
             f"M = {args.micro_batches}, K = 3 split {BALANCE} (stage 1: the bottleneck), 1F1B with the loss per "
             "micro-batch, float32. Bytes: every tensor each link carried (activations, skips, their gradients), per "
             "training step.",
-            report.markdown_table(rows, [tuple(c.strip().split("|")) for c in COLS.split(";")]),
+            report.markdown_table(rows, report.columns(COLS)),
             f"Stage 1's traffic, threaded ÷ declared: **{ratio:.2f}×**; step time threaded ÷ declared: {speed:.2f} "
             "(three processes on two cores).",
             f"Command: `{report.command_line('skips')}`",

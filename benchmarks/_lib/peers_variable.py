@@ -213,3 +213,45 @@ def variable_summary(steps: list[dict], systems: tuple[str, ...] = VAR_SYSTEMS) 
     for r in rows:
         r["vs_plain"] = r["tokens_per_s"] / plain
     return rows
+
+
+def plot_peers(
+    data: dict, fixed_title: str, built_once: str, what: str, hatch_torch: bool = False, ncol: int = 5
+) -> Any:
+    """A peers results file's figure (its JSON, loaded). Left: samples/s per system and M (``fixed_title``; torch's
+    bars hatched with ``hatch_torch``); right: tokens/s at variable lengths, and a one-line note of what torch's
+    schedule built once (``built_once``) did (the full errors: the JSON). ``what`` titles it."""
+    from benchmarks._lib import report
+
+    rows, var_rows, probes = data["fixed"], data["variable"], data["torch_built_once"]
+    micro_batches = list(dict.fromkeys(r["M"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    colors = {name: f"C{j}" for j, name in enumerate(systems)}
+    spare = iter(f"C{j}" for j in range(10) if f"C{j}" not in colors.values())
+    for r in var_rows:
+        if r["system"] not in colors:
+            colors[r["system"]] = next(spare, "k")
+    fig, axes = report.subplots(1, 2, figsize=(13, 5.4), gridspec_kw={"width_ratios": [3, 2]})
+    a, b = axes[0]
+    w = 0.8 / len(systems)
+    for j, name in enumerate(systems):
+        ys = [next(r["samples_per_s"] for r in rows if r["system"] == name and r["M"] == M) for M in micro_batches]
+        xs = [i + (j - (len(systems) - 1) / 2) * w for i in range(len(micro_batches))]
+        hatch = "//" if hatch_torch and name.startswith("torch") else None
+        a.bar(xs, ys, w, color=colors[name], label=name, hatch=hatch)
+    a.set_xticks(range(len(micro_batches)), [f"M={M}" for M in micro_batches])
+    a.set(xlabel="M (micro-batches)", ylabel="throughput (samples/s, median step)")
+    a.set_title(fixed_title, fontsize=10)
+    fig.legend(*a.get_legend_handles_labels(), loc="outside lower center", ncol=ncol, fontsize=8)
+    names = [r["system"] for r in var_rows]
+    b.bar(range(len(names)), [r["tokens_per_s"] for r in var_rows], color=[colors[n] for n in names])
+    failed = [p["short"] for p in probes.values()]
+    labels = [n.replace(" ", "\n", 2) for n in names] + ([built_once] if failed else [])
+    b.set_xticks(range(len(labels)), labels, fontsize=7)
+    b.set_xlim(-0.6, len(labels) - 0.4)
+    if failed:  # no bar: it did not run; why, in one line per probe
+        b.text(len(names), 0, "\n".join(failed), rotation=90, ha="center", va="bottom", fontsize=7, color="C3")
+    b.set(xlabel="system", ylabel="throughput (tokens/s over the clean timed steps)")
+    lengths, m = data["job"]["lengths"], data["job"]["var_m"]
+    b.set_title(f"a new sequence length every step ({min(lengths)}–{max(lengths)} tokens), M={m}", fontsize=10)
+    return report.title(fig, what, data["environment"])

@@ -144,3 +144,8 @@ def legend_right(ax: Any, **kwargs: Any) -> Any:
     """The axes' legend outside it, on its right, top-aligned: never over the data."""
     kwargs.setdefault("fontsize", 8)
     return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
+
+
+def columns(spec: str) -> list[tuple[str, ...]]:
+    """Table columns written as "key|header|format; ..." (``markdown_table``'s column tuples)."""
+    return [tuple(c.strip().split("|")) for c in spec.split(";")]
