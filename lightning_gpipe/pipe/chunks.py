@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters
+from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, solve
+from lightning_gpipe.pipe.schedules import Action, lookup
+from lightning_gpipe.pipe.simulator import Costs, simulate
+
+if TYPE_CHECKING:
+    from lightning_gpipe.pipe.executor import Checkpoint
+
+# How many actions solve_chunks may simulate in all (a few seconds): every split when they fit, else a search.
+SIMULATED_ACTIONS = 200_000
 
 
 def held_stages(rank: int, K: int, v: int) -> list[int]:
@@ -49,12 +60,88 @@ def check_virtual_stages(v: object, K: int) -> int:
     return v
 
 
+def solve_chunks(costs: Sequence[float], K: int, v: int, M: int, checkpoint: Checkpoint) -> list[int]:
+    """The layer counts of the vK chunks whose interleaved-1f1b step, simulated, is shortest.
+
+    Each rank runs all its chunks, so what bounds the step is each rank's chunks together, and the cheapest
+    costliest chunk (``solve``) may load one rank more than another: with few layers per chunk, the rounding of each
+    chunk adds up on a rank. A chunk holding layers of cost c is simulated as F = c/3, B = 2c/3 and, before the
+    backward of a micro-batch whose graph was dropped (``schedules.keeps_graph``), R = F. Every split is simulated
+    when there are at most ``EXHAUSTIVE_SPLITS``; otherwise runs of consecutive chunk boundaries are shifted
+    together from ``solve``'s split while the step shortens (moving layers between two chunks of a rank through the
+    chunks between them leaves those as they are).
+    """
+    if v < 2:
+        raise ValueError(f"solve_chunks splits a backbone for interleaving (v ≥ 2 chunks per rank), got v = {v}")
+    S, L = v * K, len(costs)
+    # The per-chunk optimum, the last chunk weighed as it runs (F + B, where the others recompute: about 3 : 4).
+    start = solve(costs, S, 0.75 if checkpoint != "never" else 1.0)
+    actions = _admitted_actions(K, M, v)
+    prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
+
+    def step(cuts: Sequence[int]) -> float:
+        bounds = [0, *cuts, L]
+        per_chunk = {}
+        for s in range(S):
+            c = prefix[bounds[s + 1]] - prefix[bounds[s]]
+            per_chunk[s % K, s // K] = Costs(F=c / 3, B=2 * c / 3, R=c / 3)
+        return simulate(actions, K, v, per_chunk, checkpoint=checkpoint).makespan
+
+    best_cuts = list(itertools.accumulate(start))[:-1]
+    best = step(best_cuts)
+    budget = max(1, SIMULATED_ACTIONS // sum(map(len, actions)))  # simulations
+    if math.comb(L - 1, S - 1) <= budget:
+        for cuts in itertools.combinations(range(1, L), S - 1):
+            if (t := step(cuts)) < best:
+                best, best_cuts = t, list(cuts)
+    else:
+        reach = max(1, L // S)
+        while budget > 0:
+            moves = (
+                [c + d if i <= k <= j else c for k, c in enumerate(best_cuts)]
+                for i in range(S - 1)
+                for j in range(i, S - 1)
+                for d in (*range(-reach, 0), *range(1, reach + 1))
+            )
+            valid = itertools.islice((m for m in moves if all(a < b for a, b in zip([0, *m], [*m, L]))), budget)
+            tried = [(step(m), m) for m in valid]
+            budget -= len(tried)
+            found = min(tried, default=(math.inf, best_cuts))
+            if found[0] >= best:
+                break
+            best, best_cuts = found
+    return [b - a for a, b in zip([0, *best_cuts], [*best_cuts, L])]
+
+
+def _admitted_actions(K: int, M: int, v: int) -> list[list[Action]]:
+    """interleaved-1f1b's actions for M micro-batches, or for the most below M it admits: a stage built for an M it
+    refuses still runs ``stage(x)`` and ``backward()``, and only ``forward_backward`` raises the schedule's error."""
+    for m in range(M, 0, -1):
+        with contextlib.suppress(ValueError):
+            return lookup("interleaved-1f1b").actions(K, m, v)
+    raise AssertionError("interleaved-1f1b admits M = 1")
+
+
 def agree_on_chunks(
-    module: nn.Sequential, K: int, v: int, balance: Balance, sample: Any, group: dist.ProcessGroup | None
+    module: nn.Sequential,
+    K: int,
+    v: int,
+    balance: Balance,
+    sample: Any,
+    group: dist.ProcessGroup | None,
+    M: int = 8,
+    checkpoint: Checkpoint = "except_last",
 ) -> list[int]:
-    """The layer counts of the vK stages (chunks), the same on every rank (see ``agree_on_balance``)."""
+    """The layer counts of the vK stages (chunks), the same on every rank (see ``agree_on_balance``); with v ≥ 2, a
+    balance solved from costs is the split with the shortest simulated step (``solve_chunks``)."""
+
+    def interleaved(costs: Sequence[float], S: int) -> list[int]:
+        return solve_chunks(costs, K, v, M, checkpoint)
+
     try:
-        return agree_on_balance(module, K * v, balance, sample=sample, group=group)
+        return agree_on_balance(
+            module, K * v, balance, sample=sample, group=group, solver=solve if v == 1 else interleaved
+        )
     except ValueError as e:
         if v == 1:
             raise

@@ -21,6 +21,7 @@ from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
 from lightning_gpipe.pipe.microbatch import detached
 
 Balance = Union[Sequence[int], Literal["parameters", "time", "flops"], Callable[[int, nn.Module], float]]  # noqa: UP007
+Solver = Callable[[Sequence[float], int], list[int]]  # per-layer costs, the number of stages → layer counts
 
 _ACCEPTED = "a sequence of K layer counts, 'parameters', 'time', 'flops', or a callable (index, layer) -> cost"
 
@@ -254,25 +255,28 @@ def costs_by_flops(module: nn.Sequential, sample: Any) -> list[float]:
     return costs
 
 
-def resolve_balance(module: nn.Sequential, K: int, balance: Balance, *, sample: Any = None) -> list[int]:
-    """Turns any Balance into K layer counts. Local only: the caller broadcasts the result so every rank agrees."""
+def resolve_balance(
+    module: nn.Sequential, K: int, balance: Balance, *, sample: Any = None, solver: Solver = solve
+) -> list[int]:
+    """Turns any Balance into K layer counts, those from costs by ``solver(costs, K)``. Local only: the caller
+    broadcasts the result so every rank agrees."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"the backbone to partition must be an nn.Sequential, got {type(module).__name__}")
     L = len(module)
     if isinstance(balance, str):
         if balance == "parameters":
-            return solve(costs_by_parameters(module), K)
+            return solver(costs_by_parameters(module), K)
         if balance == "time":
             if sample is None:
                 raise ValueError("balance='time' profiles each layer on a sample micro-batch; pass sample=...")
-            return solve(costs_by_time(module, sample), K)
+            return solver(costs_by_time(module, sample), K)
         if balance == "flops":
             if sample is None:
                 raise ValueError("balance='flops' counts each layer's FLOPs on a sample micro-batch; pass sample=...")
-            return solve(costs_by_flops(module, sample), K)
+            return solver(costs_by_flops(module, sample), K)
         raise ValueError(f"unknown balance {balance!r}; accepted values: {_ACCEPTED}")
     if callable(balance):
-        return solve(costs_by_function(module, balance), K)
+        return solver(costs_by_function(module, balance), K)
     if isinstance(balance, Sequence) and not isinstance(balance, str):  # str was handled above; this tells mypy
         return validate_balance(balance, L, K)
     raise TypeError(f"balance must be {_ACCEPTED}; got {type(balance).__name__}")
@@ -320,7 +324,7 @@ def local_name(layers: list[tuple[str, nn.Module]], param: nn.Parameter) -> str:
 
 
 def agree_on_balance(
-    module: nn.Sequential, K: int, balance: Balance, *, sample: Any = None, group: Any = None
+    module: nn.Sequential, K: int, balance: Balance, *, sample: Any = None, group: Any = None, solver: Solver = solve
 ) -> list[int]:
     """:func:`resolve_balance` on group rank 0, broadcast to the others (a collective when ``group`` is given).
 
@@ -331,7 +335,7 @@ def agree_on_balance(
     error: BaseException | None = None
     if group is None or dist.get_rank(group) == 0:
         try:
-            result[0] = resolve_balance(module, K, balance, sample=sample)
+            result[0] = resolve_balance(module, K, balance, sample=sample, solver=solver)
         except Exception as e:
             error = e
             result[1] = _portable(e, balance)

@@ -137,7 +137,9 @@ class GPipeStage(nn.Module):
         self._device = torch.device(device)
         K, r = self._num_stages, self._index
         v = self._virtual_stages = check_virtual_stages(virtual_stages, K)
-        self._balance = agree_on_chunks(module, K, v, balance, sample, groups[1] if groups else None)
+        self._balance = agree_on_chunks(
+            module, K, v, balance, sample, groups[1] if groups else None, chunks, checkpoint
+        )
         stages = held_stages(r, K, v)
         skips = plan_skips(module, self._balance, K)
         chunk_layers = [stage_layers(module, self._balance, s) for s in stages]

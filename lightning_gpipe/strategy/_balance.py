@@ -15,6 +15,7 @@ from torch import nn
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split, split_by_sizes
 from lightning_gpipe.pipe.partition import (
     Balance,
+    Solver,
     costs_by_flops,
     costs_by_function,
     costs_by_parameters,
@@ -158,9 +159,11 @@ def plan_balance(
     batch_dim: int,
     broadcast: Callable[[Any], Any],
     last_stage_scale: float = 1.0,
+    solver: Solver | None = None,
 ) -> Plan:
-    """The same :class:`Plan` on every rank (collective for "auto", "flops" and "time"); measured costs of the last
-    stage's layers weighed by ``last_stage_scale``."""
+    """The same :class:`Plan` on every rank (collective for "auto", "flops" and "time"); measured costs split by
+    ``solver(costs, K)`` (interleaving's: see ``chunks.solve_chunks``), else by ``solve`` with the last stage's
+    layers weighed by ``last_stage_scale``."""
     if isinstance(balance, str) and balance in ("auto", "flops", "time"):
         kind = "flops" if balance == "auto" else balance
         if balance == "auto" and getattr(module, "example_input_array", None) is None:
@@ -180,6 +183,9 @@ def plan_balance(
             # Solved on every rank from the same costs: an error here (K > L) is raised alike everywhere.
             chose = "balance='auto' chose 'flops': the LightningModule has an example_input_array"
             note = chose if balance == "auto" else ""
+            if solver is not None:
+                split = "split for the shortest simulated interleaved-1f1b step (each rank's chunks together)"
+                return Plan(solver(costs, K), kind, costs, f"{note}; {split}".lstrip("; "))
             if last_stage_scale != 1.0:
                 recompute = "the loss inside the pipeline: only the stages before the last recompute"
                 note = f"{note}; {recompute}, so the last stage's costs count × {last_stage_scale:g}".lstrip("; ")

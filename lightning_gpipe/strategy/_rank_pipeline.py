@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
+from lightning_gpipe.pipe.chunks import solve_chunks
 from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
@@ -222,6 +223,11 @@ def _plan(
     broadcast: Callable[[Any], Any],
 ) -> Plan:
     """How many layers each stage holds (``GPipeStrategy(balance=...)``), resolved on rank 0 and broadcast."""
+    K, v = mesh.K, options.virtual_stages
+
+    def interleaved(costs: Sequence[float], S: int) -> list[int]:
+        return solve_chunks(costs, K, v, options.chunks, options.checkpoint)
+
     return plan_balance(
         module,
         backbone,
@@ -235,6 +241,7 @@ def _plan(
         broadcast=broadcast,
         # With the loss inside, the last stage runs F + B per micro-batch, the others F + R + B: about 3 : 4.
         last_stage_scale=0.75 if options.pipeline_loss and options.checkpoint != "never" else 1.0,
+        solver=interleaved if v > 1 else None,
     )
 
 

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_gpipe.pipe.partition import costs_by_time
+from lightning_gpipe.pipe.partition import costs_by_time, solve
 from lightning_gpipe.strategy._balance import (
+    Plan,
     backbone_input,
     layer_costs,
     no_example,
@@ -307,3 +308,28 @@ def test_the_loss_inside_weighs_the_last_stage_by_three_quarters() -> None:
     strategy.pipeline_loss = False
     strategy._lightning_module = lightning_module(hooked=True)
     assert StageOptions.of(strategy).pipeline_loss is False
+
+
+def test_interleaving_splits_for_the_simulated_step_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With virtual_stages = 2 the measured costs are split by ``solve_chunks`` (each rank's chunks together), not
+    by the per-chunk optimum with the last stage weighed × 0.75; the setup log says which."""
+    from types import SimpleNamespace
+
+    from lightning_gpipe.pipe.chunks import solve_chunks
+    from lightning_gpipe.strategy import _balance
+    from lightning_gpipe.strategy._rank_pipeline import StageOptions, _plan
+    from tests.engine.test_interleaved_balance import TRANSFORMER
+
+    module = Uneven()
+    module.backbone = nn.Sequential(*[nn.Linear(D, D) for _ in TRANSFORMER])
+    monkeypatch.setattr(_balance, "agreed_costs", lambda *args, **kwargs: (list(TRANSFORMER), None))
+    cpu = torch.device("cpu")
+
+    def plan(K: int, schedule: str, v: int) -> Plan:
+        options = StageOptions(8, "flops", "except_last", 0, True, "all", True, schedule, v)  # type: ignore[arg-type]
+        return _plan(module, module.backbone, options, SimpleNamespace(K=K, rank=0), cpu, False, lambda obj: obj)  # type: ignore[arg-type]
+
+    interleaved, one_chunk = plan(2, "interleaved-1f1b", 2), plan(4, "1f1b", 1)
+    assert interleaved.balance == solve_chunks(TRANSFORMER, 2, 2, 8, "except_last") != solve(TRANSFORMER, 4, 0.75)
+    assert interleaved.last_stage_scale == 1.0 and "shortest simulated interleaved-1f1b step" in interleaved.note
+    assert one_chunk.balance == solve(TRANSFORMER, 4, 0.75) and one_chunk.last_stage_scale == 0.75
