@@ -7,8 +7,8 @@
 # in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
 # "gpipe", "1f1b", "zb-h1" and "interleaved-1f1b" (stage.forward_backward: the loss per micro-batch on the last
 # stage, inside the pipeline; zb-h1's backward halves, I and W, count as backward; interleaved-1f1b on a stage of
-# its own with v = 2 chunks per rank, the backbone solved for 2K parts). Each
-# step is traced on every stage (clocks lined up after a barrier), then broken down by
+# its own with v = 2 chunks per rank, the backbone cut in 2K chunks as GPipeStage cuts it: chunks.solve_chunks).
+# Each step is traced on every stage (clocks lined up after a barrier), then broken down by
 # lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
 # load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
 # the step, and the efficiency (the ideal GPipe step over the measured one); medians over the clean traced steps. One
@@ -33,7 +33,8 @@ import torch.distributed as dist
 from benchmarks._lib import report
 from benchmarks._lib.machine import launch, pause_until_quiet, timed, wait_quiet
 from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
-from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events, solve
+from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
+from lightning_gpipe.pipe.chunks import solve_chunks
 from lightning_gpipe.pipe.gantt import plot_timeline
 from lightning_gpipe.pipe.trace import Event
 
@@ -288,7 +289,10 @@ def main() -> None:
                 n: {
                     "sizes": sizes[n],
                     "balance": info["balance"][K],
-                    "balance_interleaved": solve(info["layer_costs_ms"], V * K, args.last_stage_scale),
+                    # As GPipeStage(virtual_stages=V) splits measured costs: for the simulated interleaved step.
+                    "balance_interleaved": solve_chunks(
+                        info["layer_costs_ms"], K, V, args.micro_batches, args.checkpoint
+                    ),
                 }
                 for n, info in models.items()
             },
