@@ -156,6 +156,19 @@ def summarize(steps: list[dict]) -> dict[str, Any]:
     return {**row, "theoretical_bubble": steps[0]["theoretical_bubble"], "n": len(use), "clean": len(clean)}
 
 
+def paired_ratio(entry: dict[str, Any], path: str, base: str) -> float | None:
+    """The median over rounds of ``path``'s step ÷ ``base``'s in the same round, both clean (None: under 3 rounds).
+
+    The two ran back to back in the same processes, so a round's ratio cancels the VM's drift, which moves whole
+    steps by 10–20 % over a run: the medians of the two paths' own steps cannot resolve a few % between them."""
+    pairs = [
+        a["span_ms"] / b["span_ms"]
+        for a, b in zip(entry[path]["steps"], entry[base]["steps"])
+        if a["clean"] and b["clean"]
+    ]
+    return statistics.median(pairs) if len(pairs) >= 3 else None
+
+
 COLUMNS: list[report.Column] = [
     ("model", "model", ""),
     ("K", "K", ""),
@@ -163,6 +176,7 @@ COLUMNS: list[report.Column] = [
     ("path", "loss path", ""),
     ("span_ms", "step ms", ".0f"),
     ("vs_whole", "step / whole-batch's", ".2f"),
+    ("vs_gpipe_paired", "step / gpipe's, paired by round", ".3f"),
     ("efficiency", "efficiency (ideal GPipe step / step)", ".2f"),
     *[(key, f"{key.replace('_', ' ')} %", ".1f") for key in SHARES],
     ("bubble_of_pipeline", "bubble % of pipeline", ".1f"),
@@ -313,6 +327,8 @@ def main() -> None:
     for r in rows:
         whole = [w for w in rows if (w["model"], w["K"], w["path"]) == (r["model"], r["K"], "whole-batch")]
         r["vs_whole"] = r["span_ms"] / whole[0]["span_ms"] if whole else None
+        if "gpipe" in args.paths:
+            r["vs_gpipe_paired"] = paired_ratio(raw[r["K"]][r["model"]], r["path"], "gpipe")
     total = time.perf_counter() - t_start
     command = report.command_line("overhead")
     md = ["# Where the time goes (GPipe Table 4), from the timeline", "", *report.environment_lines(env)]
