@@ -1,46 +1,24 @@
-"""The executor: one stage's forward, recompute and backward of a micro-batch, and the fill/drain phases drawn here.
+"""The executor: one stage's (one chunk's) forward, recompute and backward of a micro-batch, and its halves.
 
-K = 3 stages, M = 4 micro-batches, ``checkpoint="except_last"``; F m = forward of micro-batch m, R m = its
-recompute, B m = its backward, L = the user's loss; time runs to the right, one column per unit of work:
-
-            t  0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
-    stage 0 | F0 F1 F2 F3 .  .  .  .  .  B3 R2 B2 R1 B1 R0 B0
-    stage 1 |    F0 F1 F2 F3 .  .  .  B3 R2 B2 R1 B1 R0 B0
-    stage 2 |       F0 F1 F2 F3 L  B3 R2 B2 R1 B1 R0 B0
-
-Forward phase: stage k receives micro-batch m from stage k-1 (stage 0 splits the input), runs its layers and sends
-the result to stage k+1 at once, without waiting for it to be received. A checkpointed micro-batch keeps only its
-input (the stage boundary): on an accelerator it runs in the recompute's grad mode with nothing saved, so that both
-choose the same kernels, on the CPU without autograd (``rematerialize.first_forward``); the others keep their graph.
-
-Backward phase, in reverse order: stage k first posts the receive for m's output gradient, then re-runs ("R")
-micro-batch m from its saved input -- before the gradient arrives, so recomputation fills time that would otherwise
-be spent waiting (GPipe, section 2.3) -- then waits for the gradient, back-propagates ("B") and sends the input
-gradient to stage k-1 at once: stage k's R m runs while stage k+1 runs B m (t = 9, 11, 13 above). The idle
-triangles ('.') are the bubble, (K-1)/(M+K-1) of the time when every unit costs the same.
-
-Re-materialization modes: ``always`` checkpoints every micro-batch; ``except_last`` (default) keeps the graph of the
-last one, whose backward comes first, so recomputing it would only delay the drain (no R3 above);
-``never`` keeps every graph (fastest, most memory).
-
-With v chunks per rank (``virtual_stages``: rank r holds stages r, r + K, …) the phases run the rank's chunks one
-after the other, each as above: a forward phase around the ring v times (rank K − 1 hands micro-batch m of chunk c to
-rank 0's chunk c + 1), a backward phase back, the last chunk first.
+``pipe/phases.py`` runs it in GPipe's fill/drain phases (the loss outside the pipeline, drawn there), and
+``pipe/forward_backward.py`` by a schedule's actions (the loss inside). A micro-batch whose graph is dropped keeps
+only its input (the stage boundary): on an accelerator its forward runs in the recompute's grad mode with nothing
+saved, so that both choose the same kernels, on the CPU without autograd (``rematerialize.first_forward``); its
+backward first re-runs it from that input. Re-materialization modes: ``always`` drops every graph; ``except_last``
+(default) keeps the graph of a micro-batch whose backward follows its forward at once; ``never`` keeps every graph
+(fastest, most memory).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import nn
 
 from lightning_gpipe.pipe.batchnorm import (
-    check_replicas_run_the_same_m,
-    commit_deferred_batch_norm,
     deferred_statistics,
 )
 from lightning_gpipe.pipe.boundary import check_boundary
@@ -49,17 +27,11 @@ from lightning_gpipe.pipe.failures import FailureHandler
 from lightning_gpipe.pipe.links import Links, check_header
 from lightning_gpipe.pipe.microbatch import (
     differentiable,
-    join,
-    join_input_grads,
-    plan_sizes,
-    split_by_sizes,
-    split_leaves,
     tensors,
 )
-from lightning_gpipe.pipe.outputs import join_outputs, output_grads, share_output
-from lightning_gpipe.pipe.records import MicroBatch, OutputMode, Step
+from lightning_gpipe.pipe.records import MicroBatch, Step
 from lightning_gpipe.pipe.rematerialize import ForwardState, first_forward, recomputing
-from lightning_gpipe.pipe.rng import StepSeeds, mix, restored_streams
+from lightning_gpipe.pipe.rng import StepSeeds, mix
 from lightning_gpipe.pipe.skips import StageSkips
 from lightning_gpipe.pipe.trace import Timeline
 from lightning_gpipe.pipe.weight_grad import WeightGrads
@@ -81,34 +53,21 @@ def validate_checkpoint(mode: str) -> Checkpoint:
     raise ValueError(f"checkpoint={mode!r} is not one of {list(CHECKPOINT_MODES)}")
 
 
-def is_checkpointed(mode: Checkpoint, m: int, M: int) -> bool:
-    """Whether micro-batch m of M drops its inner activations in the forward phase and is recomputed later."""
-    if mode == "always":
-        return True
-    if mode == "except_last":
-        return m < M - 1
-    return False
-
-
-def backward_order(M: int) -> range:
-    return range(M - 1, -1, -1)
-
-
 Pairs = list[tuple[torch.Tensor, Any]]
 # The last stage's roots of a micro-batch's backward: (tensor, its gradient or None for a scalar loss) pairs.
 Roots = Callable[[Any, list[bool]], Pairs]
 
 
-def _marked_pairs(y: Any, marks: list[bool], grads: list[torch.Tensor]) -> Pairs:
+def marked_pairs(y: Any, marks: list[bool], grads: list[torch.Tensor]) -> Pairs:
     """The output tensors that the next stage differentiated, with the gradients it sent for them."""
     marked = [t for t, mark in zip(tensors(y), marks) if mark]
     return [(t, g) for t, g in zip(marked, grads) if t.requires_grad]
 
 
 class Executor:
-    """Runs stage ``index``'s micro-batches: its part of each phase drawn above (:func:`forward_phase`,
-    :func:`backward_phase`, :func:`evaluate`, the loss between the phases) and its actions for ``forward_backward``
-    (the loss inside the pipeline), given the parts of the stage it works with.
+    """Runs stage ``index``'s micro-batches: its part of each phase (``pipe/phases.py``, the loss between the
+    phases) and its actions for ``forward_backward`` (the loss inside the pipeline), given the parts of the stage it
+    works with.
 
     ``layers`` is the stage's module (its parameters, its BatchNorm layers); ``run`` runs them on a micro-batch;
     ``producer`` names its last layer in boundary errors. ``links`` is None on a stage without peers. With several
@@ -260,14 +219,14 @@ class Executor:
             with self.timeline.record("recv-wait", m, label="gradient", chunk=c):
                 grads, fields = pending.wait()
             check_header(fields, m, self.index + 1, self.index, "output gradient")
-            pairs = _marked_pairs(y, mb.marks, grads)
+            pairs = marked_pairs(y, mb.marks, grads)
         else:
             pairs = roots(y, mb.marks)
         for dst, skip_pending in skip_grads.items():
             with self.timeline.record("recv-wait", m, label="skip gradient", chunk=c):
                 grads, fields = skip_pending.wait()
             check_header(fields, m, dst, self.index, "skip gradients")
-            pairs = [*pairs, *_marked_pairs(skips_out[dst], mb.skip_marks[dst], grads)]
+            pairs = [*pairs, *marked_pairs(skips_out[dst], mb.skip_marks[dst], grads)]
         with self.timeline.record("backward" if weights is None else "backward-input", m, chunk=c):
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
@@ -291,121 +250,3 @@ class Executor:
         """W m: micro-batch m's deferred weight gradients into ``.grad``."""
         with self.timeline.record("backward-weight", m, chunk=self.chunk):
             weights.run(m)
-
-
-def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> tuple[list[Step], Any]:
-    """The forward phase: every micro-batch through this rank's stages (``chunks``, in order), each in order; returns
-    the step of each chunk and the output."""
-    first = chunks[0]
-    seed = first.seeds.draw()
-    batch_dim = first.batch_dim
-    steps = []
-    with first.failures.phase("forward", output_mode) as where, restored_streams(first.device):
-        sizes = plan_sizes(input, M, batch_dim) if first.is_first else []
-        micro_inputs, input_leaves = split_leaves(input, sizes, batch_dim) if first.is_first else ([], [])
-        M = len(micro_inputs)
-        for s in chunks:
-            could_require = any(p.requires_grad for p in s.layers.parameters())
-            step = Step([], input_leaves=input_leaves if s.is_first else [], seed=seed)
-            s.stateful_buffers.begin()
-            m = 0
-            while m < M or (m == 0 and not s.is_first):
-                where[0] = m
-                if s.is_first:
-                    x, n = micro_inputs[m], sizes[m]
-                else:
-                    x, got = s.receive(m, training=True)
-                    M, n, step.seed = got["M"], got["n"], got["seed"]
-                if m == 0:
-                    check_replicas_run_the_same_m(s.layers, M, s.device)
-                s.forward_micro(step, x, m, M, n, is_checkpointed(s.checkpoint, m, M), could_require)
-                m += 1
-            commit_deferred_batch_norm(s.layers)
-            steps.append(step)
-        where[0] = None
-        last = chunks[-1]
-        output = join_outputs(steps[-1], batch_dim) if last.is_last else None
-        output = share_output(output, output_mode, first.links, first.ranks, first.device)
-        if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
-            with first.timeline.record("status"):
-                first.links.check_status()
-    return steps, output
-
-
-def backward_phase(
-    chunks: Sequence[Executor],
-    steps: Sequence[Step],
-    grad_output: Any,
-    output_mode: OutputMode,
-    drained: Callable[[], None] | None = None,
-) -> None:
-    """The backward phase: the micro-batches of each chunk's step in reverse, the last chunk first, each recomputed
-    first if checkpointed; ``drained`` runs once this rank's gradients are complete, before the status check waits
-    for the others."""
-    first = chunks[0]
-    links = first.links
-    with first.failures.phase("backward", output_mode) as where:
-        for s, step in reversed(list(zip(chunks, steps))):
-            last_grads = output_grads(step, grad_output, s.batch_dim) if s.is_last else None
-            input_grads: list[list[torch.Tensor]] = [[] for _ in step.micro]
-            for m in backward_order(len(step.micro)):
-                where[0] = m
-                grads = last_grads[m] if last_grads is not None else []
-                s.backward_micro(step, m, input_grads, partial(_marked_pairs, grads=grads))
-            if s.is_first and step.input_leaves:
-                torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, s.batch_dim))
-        where[0] = None
-        if drained is not None:
-            drained()
-        if links is not None:
-            with first.timeline.record("status"):
-                links.check_status()
-    if links is not None:
-        links.transport.wait_sends()
-
-
-def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> Any:
-    """A forward-only pipeline (no grad) through this rank's stages in order: nothing is kept for a backward phase."""
-    first = chunks[0]
-    seed = first.seeds.draw()
-    batch_dim = first.batch_dim
-    with (
-        first.failures.phase("evaluation", output_mode) as where,
-        deferred_statistics(),
-        restored_streams(first.device),
-    ):
-        planned = plan_sizes(input, M, batch_dim) if first.is_first else []
-        inputs = split_by_sizes(input, planned, batch_dim) if first.is_first else []
-        M = len(inputs)
-        for s in chunks:
-            outs, sizes = [], []
-            m = 0
-            while m < M or (m == 0 and not s.is_first):
-                where[0] = m
-                if s.is_first:
-                    x, n = inputs[m], planned[m]
-                else:
-                    x, got = s.receive(m, training=False)
-                    M, n, seed = got["M"], got["n"], got["seed"]
-                skips_in = s.peers().receive_skips(m, s.skips, s.chunk) if s.skips and s.skips.receives else {}
-                with s.timeline.record("forward", m, chunk=s.chunk):
-                    y, skips_out = s.run_with_skips(x, mix(seed, m), skips_in, copy=False)
-                check_boundary(y, n, batch_dim, s.producer, s.is_last)
-                sizes.append(n)
-                fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": False, "seed": seed, "stage": s.index}
-                if s.is_last:
-                    outs.append(y)
-                else:
-                    s.peers().send(s.next_rank, y, m, s.chunk, **fields)
-                for dst, values in skips_out.items():
-                    s.peers().send_skips(dst, values, [False] * len(tensors(values)), s.chunk, fields, s.routes())
-                m += 1
-            commit_deferred_batch_norm(s.layers)
-        where[0] = None
-        output = join(outs, batch_dim, sizes) if chunks[-1].is_last else None
-        output = share_output(output, output_mode, first.links, first.ranks, first.device)
-        if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
-            first.links.check_status()
-    if first.links is not None:
-        first.links.transport.wait_sends()
-    return output

@@ -22,14 +22,7 @@ from lightning_gpipe.pipe.chunks import (
     held_stages,
     shared_over_ranks,
 )
-from lightning_gpipe.pipe.executor import (
-    Checkpoint,
-    Executor,
-    backward_phase,
-    evaluate,
-    forward_phase,
-    validate_checkpoint,
-)
+from lightning_gpipe.pipe.executor import Checkpoint, Executor, validate_checkpoint
 from lightning_gpipe.pipe.failures import FailureHandler, skip_notices
 from lightning_gpipe.pipe.forward_backward import (
     LossFn,
@@ -43,6 +36,7 @@ from lightning_gpipe.pipe.indexing import LayerIndex, RemoteLayer
 from lightning_gpipe.pipe.links import Links
 from lightning_gpipe.pipe.microbatch import plan_sizes
 from lightning_gpipe.pipe.partition import Balance, stage_layers
+from lightning_gpipe.pipe.phases import backward_phase, evaluate, forward_phase
 from lightning_gpipe.pipe.records import OutputMode, Step, validate_output_mode
 from lightning_gpipe.pipe.rng import mix, name_key, reseed
 from lightning_gpipe.pipe.skips import current_tray, plan_skips, skip_pairs
