@@ -48,7 +48,7 @@ class _Op:
         self.error: BaseException | None = None
 
     def __str__(self) -> str:
-        verb = f"send to stage {self.peer}" if self.kind == "send" else f"receive from stage {self.peer}"
+        verb = f"send to rank {self.peer}" if self.kind == "send" else f"receive from rank {self.peer}"
         return f"{verb} ({self.buf.numel()} bytes)"
 
     def is_completed(self) -> bool:
@@ -113,9 +113,10 @@ class OrderedP2P:
         ahead = posted.index(waited) if waited in posted else 0
         partner = "receive" if head is not None and head.kind == "send" else "send"
         text = (
-            f"under NCCL's point-to-point rules stage {self.rank} would wait forever for its {waited} on the "
-            f"{self.name} group (nothing moved for {stall_s:.0f} s): that group's queue on stage {self.rank} runs "
-            f"one operation at a time, in posting order, and is stuck at its {head}, which completes only when stage "
+            f"under NCCL's point-to-point rules rank {self.rank} of the {self.name} group would wait forever for "
+            f"its {waited} (nothing moved for {stall_s:.0f} s; ranks are the group's: on the pipeline's groups, its "
+            f"stages; on a long skip's, its two ends): the group's queue on rank {self.rank} runs one operation at a "
+            f"time, in posting order, and is stuck at its {head}, which completes only when rank "
             f"{head.peer if head else '?'} runs the matching {partner}"
         )
         if ahead:
@@ -158,7 +159,7 @@ class OrderedP2P:
         dist.send(ack, group=group, group_dst=peer, tag=_TAG)
         if into is not op.buf:
             raise P2POrderError(
-                f"under NCCL's point-to-point rules stage {self.rank}'s {op} on the {self.name} group would meet "
-                f"stage {peer}'s send of {n} bytes: NCCL pairs a rank's n-th send with the peer's n-th receive, "
-                "so the two stages posted their transfers in different orders"
+                f"under NCCL's point-to-point rules the {op} of rank {self.rank} of the {self.name} group would "
+                f"meet rank {peer}'s send of {n} bytes: NCCL pairs a rank's n-th send with the peer's n-th receive, "
+                "so the two ranks posted their transfers in different orders"
             )

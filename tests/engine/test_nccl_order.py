@@ -65,8 +65,8 @@ def test_one_group_for_both_directions_is_caught_as_a_deadlock() -> None:
     for text in (stage0, stage1):
         assert text.startswith("P2POrderError: under NCCL's point-to-point rules"), text
     # Each names what its queue is stuck on: stage 0 behind its send of a1, stage 1 behind its send of g0.
-    assert "stuck at its send to stage 1 (256 bytes)" in stage0, stage0
-    assert "stuck at its send to stage 0 (256 bytes)" in stage1, stage1
+    assert "stuck at its send to rank 1 (256 bytes)" in stage0, stage0
+    assert "stuck at its send to rank 0 (256 bytes)" in stage1, stage1
 
 
 def test_one_group_per_direction_runs_the_same_traffic() -> None:
@@ -91,7 +91,7 @@ def _crossed_order(rank: int, world_size: int) -> str:
 
 def test_a_receive_meeting_another_send_is_an_error() -> None:
     _, text = run_distributed(_crossed_order, 2, timeout=60)
-    assert "would meet stage 0's send of 4 bytes" in text and "different orders" in text, text
+    assert "would meet rank 0's send of 4 bytes" in text and "different orders" in text, text
 
 
 def _subgroup_without_upstream(rank: int, world_size: int) -> str:
