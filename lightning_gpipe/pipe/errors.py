@@ -18,10 +18,12 @@ class PipelineError(RuntimeError):
         self.settled = False  # True once every stage of the pipeline knows about it
 
     @classmethod
-    def from_exception(cls, exc: BaseException, *, stage: int, phase: str, micro_batch: int | None) -> PipelineError:
+    def from_exception(
+        cls, exc: BaseException, *, stage: int, phase: str, micro_batch: int | None, chunk: str | None = None
+    ) -> PipelineError:
         where = f"stage {stage} failed in the {phase} phase"
         if micro_batch is not None:
-            where += f" (micro-batch {micro_batch})"
+            where += f" (micro-batch {micro_batch}" + (f", {chunk})" if chunk else ")")
         return cls(
             f"{where}: {type(exc).__name__}: {exc}",
             stage=stage,

@@ -114,6 +114,15 @@ class Executor:
         self.skips = skips  # the long skips its layers stash and pop (skips.py); None: the backbone declares none
         self.seeds = StepSeeds()
 
+    @property
+    def place(self) -> str | None:
+        """Which of the rank's chunks this is, as an error names it (None: the rank's only chunk)."""
+        return (
+            None
+            if self.chunk < 0
+            else f"its chunk {chr(ord('a') + self.chunk)}, the interleaved backbone's stage {self.index}"
+        )
+
     def peers(self) -> Links:
         assert self.links is not None, "a stage with a neighbour has links"
         return self.links

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.links import Links
@@ -53,13 +53,14 @@ class FailureHandler:
             )
 
     @contextmanager
-    def phase(self, phase: str, output_mode: OutputMode) -> Iterator[list[int | None]]:
+    def phase(self, phase: str, output_mode: OutputMode) -> Iterator[list[Any]]:
         """Turns any error into a PipelineError that reaches every stage, then checks that all stages succeeded.
 
-        Yields a one-element list in which the phase keeps the micro-batch it works on, for the error message.
+        Yields a list in which the phase keeps the micro-batch it works on and, with several chunks per rank, the
+        executor's ``place`` (which chunk), for the error message.
         """
         self.check_usable()
-        where: list[int | None] = [None]
+        where: list[Any] = [None, None]
         try:
             with self._timeline.record("step", label=phase):
                 yield where
@@ -67,7 +68,9 @@ class FailureHandler:
             err = (
                 e
                 if isinstance(e, PipelineError)
-                else PipelineError.from_exception(e, stage=self._index, phase=phase, micro_batch=where[0])
+                else PipelineError.from_exception(
+                    e, stage=self._index, phase=phase, micro_batch=where[0], chunk=where[1]
+                )
             )
             self._fail(err, phase, output_mode)
             if err is e:

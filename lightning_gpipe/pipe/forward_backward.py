@@ -111,7 +111,7 @@ def forward_backward(
             while ops is None or pos < len(ops):
                 kind, m, c = ops[pos] if ops is not None else Action("F", 0)
                 s, step = chunks[c], steps[c]
-                where[0] = m
+                where[:] = m, s.place
                 if kind == "F":
                     if s.is_first:
                         x, n, M = micro_inputs[m], sizes[m], len(sizes)
@@ -142,7 +142,7 @@ def forward_backward(
                     else:
                         s.backward_micro(step, m, input_grads, partial(roots, m=m), weights[c])
                 pos += 1
-        where[0] = None
+        where[:] = None, None
         if first.is_first and steps[0].input_leaves:
             torch.autograd.backward(steps[0].input_leaves, join_input_grads(input_grads, first.batch_dim))
         if drained is not None:

@@ -79,7 +79,7 @@ def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: O
             s.stateful_buffers.begin()
             m = 0
             while m < M or (m == 0 and not s.is_first):
-                where[0] = m
+                where[:] = m, s.place
                 if s.is_first:
                     x, n = micro_inputs[m], sizes[m]
                 else:
@@ -91,7 +91,7 @@ def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: O
                 m += 1
             commit_deferred_batch_norm(s.layers)
             steps.append(step)
-        where[0] = None
+        where[:] = None, None
         last = chunks[-1]
         output = join_outputs(steps[-1], batch_dim) if last.is_last else None
         output = share_output(output, output_mode, first.links, first.ranks, first.device)
@@ -118,12 +118,12 @@ def backward_phase(
             last_grads = output_grads(step, grad_output, s.batch_dim) if s.is_last else None
             input_grads: list[list[torch.Tensor]] = [[] for _ in step.micro]
             for m in backward_order(len(step.micro)):
-                where[0] = m
+                where[:] = m, s.place
                 grads = last_grads[m] if last_grads is not None else []
                 s.backward_micro(step, m, input_grads, partial(marked_pairs, grads=grads))
             if s.is_first and step.input_leaves:
                 torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, s.batch_dim))
-        where[0] = None
+        where[:] = None, None
         if drained is not None:
             drained()
         if links is not None:
@@ -150,7 +150,7 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
             outs, sizes = [], []
             m = 0
             while m < M or (m == 0 and not s.is_first):
-                where[0] = m
+                where[:] = m, s.place
                 if s.is_first:
                     x, n = inputs[m], planned[m]
                 else:
@@ -170,7 +170,7 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
                     s.peers().send_skips(dst, values, [False] * len(tensors(values)), s.chunk, fields, s.routes())
                 m += 1
             commit_deferred_batch_norm(s.layers)
-        where[0] = None
+        where[:] = None, None
         output = join(outs, batch_dim, sizes) if chunks[-1].is_last else None
         output = share_output(output, output_mode, first.links, first.ranks, first.device)
         if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
