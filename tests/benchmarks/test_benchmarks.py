@@ -224,3 +224,25 @@ def test_peers_hf_sets_a_huggingface_llama_beside_torchs_schedules(tmp_path: Pat
     probes = data["torch_built_once"]
     assert set(probes) == {"the run's lengths", "first change shrinks"}
     assert all(p["verdict"].startswith("fails at step 1") for p in probes.values()), probes
+
+
+@pytest.mark.timeout(160)
+def test_interleaved_split_compares_the_two_cuts_side_by_side(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.interleaved_split", "--smoke", "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "interleaved_split.json").read_text())
+    assert [(r["model"], r["split"]) for r in data["rows"]] == [
+        (m, s) for m in ("amoebanet", "transformer") for s in ("per-chunk", "simulated")
+    ]
+    for r in data["rows"]:
+        assert r["median_ms"] > 0 and r["modelled"] > 0 and r["paired"] > 0, r
+        assert r["paired"] == 1.0 or r["split"] == "simulated", r
+    for model in ("amoebanet", "transformer"):  # the simulated cut is never modelled slower than the per-chunk one
+        per_chunk, simulated = (r["modelled"] for r in data["rows"] if r["model"] == model)
+        assert simulated <= per_chunk, (model, simulated, per_chunk)
