@@ -341,7 +341,7 @@ def main() -> None:
         }
         job = {"M": M, "timing": timing, "checkpoint": args.checkpoint, "models": entries, "ping": link is None}
         raw[K] = launch(run_job, K, job)
-        link = link or fit_host(fit_link([tuple(x) for x in raw[K]["ping"]]), [tuple(x) for x in raw[K]["host"]])
+        link = link or fit_host(fit_link([tuple(x) for x in raw[K]["ping"]]), raw[K]["host"])
         for n, m in models.items():
             m.setdefault("stages", {})[K] = raw[K]["stages"][n]
             if K == min(args.ks):  # the co-run factor that the one-process prediction carries to other K

@@ -274,7 +274,7 @@ def fit_host(link: Link, samples: Sequence[tuple[int, float, float]]) -> Link:
         return max(my - slope * mx, 0.0), slope
 
     send, recv = line([t for _, t, _ in samples]), line([t for _, _, t in samples])
-    return replace(link, send_host=send, recv_host=recv, host_samples=[tuple(x) for x in samples])
+    return replace(link, send_host=send, recv_host=recv, host_samples=[(int(n), s, r) for n, s, r in samples])
 
 
 @dataclass

@@ -202,8 +202,9 @@ def test_a_message_costs_its_ranks_host_time() -> None:
     actions = SCHEDULES["1f1b"].actions(2, 2, 1)
     assert simulate(actions, 2, nccl=False).makespan == 9
     result = simulate(actions, 2, costs=Costs(send_host=0.25, recv_host=0.5), nccl=False)
-    assert [(start, end) for _, start, end in result.timeline[0]] == [(0, 1), (1.25, 2.25), (4.5, 6.5), (7.75, 9.75)]
-    assert [(start, end) for _, start, end in result.timeline[1]] == [(1.25, 2.25), (2.25, 4.25), (4.5, 5.5), (5.5, 7.5)]
+    spans = [[(start, end) for _, start, end in row] for row in result.timeline]
+    assert spans[0] == [(0, 1), (1.25, 2.25), (4.5, 6.5), (7.75, 9.75)]
+    assert spans[1] == [(1.25, 2.25), (2.25, 4.25), (4.5, 5.5), (5.5, 7.5)]
     assert result.makespan == 9.75
     assert simulate(actions, 2, costs=Costs(send_host=0.25, recv_host=2), nccl=False).makespan == 10.5
     # An input gradient's send may cost another time than an activation's: rank 1's gradients leave 1 after B.
