@@ -14,9 +14,10 @@
 #   transfer: a gloo send → receive of the stage's output (its header, then each tensor), from a latency + bytes /
 #      bandwidth fit of ping-pongs between two processes (``fit_link``); grad_transfer: its input gradient's.
 #   send_host, grad_send_host, recv_host: what a message costs its two ranks' own time, beside the link's: posting
-#      a send (the header pickled, an isend per tensor: ~0.5 ms here, a third of a transfer), and posting the receive
-#      of an output gradient before the recompute and reading it after (~0.7 ms). The engine factor's one-stage
-#      pipelines send nothing, so this is apart from it; interleaving sends three times as many messages per rank.
+#      a send (the header pickled, an isend per tensor: 0.55–0.65 ms for two tensors here, a third of a transfer), and
+#      posting the receive of an output gradient before the recompute and reading it after (0.5–0.65 ms). The
+#      engine factor's one-stage pipelines send nothing, so this is apart from it; interleaving sends three times as
+#      many messages per rank.
 #      Measured in the K = 2 launch through the transport as the runtime uses it (``costmodel_ranks.message_host``:
 #      one rank posts, the other has its receive posted; medians), fitted as fixed + per tensor (``fit_host``).
 #   What the engine adds beyond the layers (per-layer reseeding, buffer snapshots, boundary checks, splitting,
