@@ -5,7 +5,8 @@
 #    recomputed), backward, zb-h1's split halves, RMSprop update and output bytes, on one micro-batch; the loss; the
 #    one-process engine factor, from the whole model's one-stage pipeline (_lib/costmodel.py says how each enters).
 # 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs; the
-#    K=2 launch first fits gloo's latency and bandwidth by ping-pongs): a training step (stage.forward_backward with
+#    K=2 launch first fits gloo's latency and bandwidth by ping-pongs, and a message's host time on each end through
+#    the transport): a training step (stage.forward_backward with
 #    the loss per micro-batch on the last stage, then RMSprop) for every schedule the executor runs
 #    (pipe.schedules: ``runnable``), and by turns with them each rank's one-stage pipelines of its stages, co-run and
 #    alone (the per-stage engine factors, _lib/costmodel_ranks.py), medians of clean steps; then one traced step per
@@ -31,9 +32,17 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._lib import report
-from benchmarks._lib.costmodel import LayerCosts, Link, echo, engine_factor, fit_link, ping_pong, predict
+from benchmarks._lib.costmodel import LayerCosts, Link, echo, engine_factor, fit_host, fit_link, ping_pong, predict
 from benchmarks._lib.costmodel import profile_layers as profile
-from benchmarks._lib.costmodel_ranks import PARTS, StageTimes, engines_of, one_stage_time, parts_rows, traced_kinds
+from benchmarks._lib.costmodel_ranks import (
+    PARTS,
+    StageTimes,
+    engines_of,
+    message_host,
+    one_stage_time,
+    parts_rows,
+    traced_kinds,
+)
 from benchmarks._lib.machine import (
     Runner,
     Timing,
@@ -126,6 +135,11 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             out["ping"] = ping_pong(1, PING_BYTES, repeat=15)
         elif rank == 1:
             echo(0, PING_BYTES, repeat=15)
+        dist.barrier()
+    if job["ping"]:  # what a message costs each end's own time, beside the link (costmodel.fit_host)
+        pair = dist.new_group([0, 1])
+        if rank < 2:
+            out["host"] = message_host(pair)
         dist.barrier()
     timing = job["timing"]
     single = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group, in one order
@@ -327,7 +341,7 @@ def main() -> None:
         }
         job = {"M": M, "timing": timing, "checkpoint": args.checkpoint, "models": entries, "ping": link is None}
         raw[K] = launch(run_job, K, job)
-        link = link or fit_link([tuple(x) for x in raw[K]["ping"]])
+        link = link or fit_host(fit_link([tuple(x) for x in raw[K]["ping"]]), raw[K]["host"])
         for n, m in models.items():
             m.setdefault("stages", {})[K] = raw[K]["stages"][n]
             if K == min(args.ks):  # the co-run factor that the one-process prediction carries to other K
@@ -384,7 +398,14 @@ def main() -> None:
         "usable_cores": cores,
         "smoke": args.smoke,
         "setup": {**vars(args), "runnable": RUNNABLE, "tolerance": TOLERANCE},
-        "link": {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth, "samples": link.samples},
+        "link": {
+            "latency_s": link.latency,
+            "bandwidth_bytes_per_s": link.bandwidth,
+            "samples": link.samples,
+            "send_host_s": {"fixed": link.send_host[0], "per_tensor": link.send_host[1]},
+            "recv_host_s": {"fixed": link.recv_host[0], "per_tensor": link.recv_host[1]},
+            "host_samples": link.host_samples,
+        },
         "models": {n: {**m, "costs": m["costs"].as_dict()} for n, m in models.items()},
         "validation": validation,
         "parts": parts,
@@ -401,7 +422,10 @@ def main() -> None:
         f"- {load_line.removeprefix('# ')}; per measurement: `models.<name>.foreign_cores` in the JSON",
         f"- Costs per layer, measured in one process (1 thread), medians of {args.repeat}: forward (no grad, kept "
         "under grad, recomputed), backward, zb-h1's split forward, recompute, I and W, RMSprop update; the loss; gloo "
-        f"latency {link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes)."
+        f"latency {link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes);"
+        f" a message's host time, the ranks' own, fixed + per tensor: sending {link.send_host[0] * 1e6:.0f} + "
+        f"{link.send_host[1] * 1e6:.0f} µs, receiving an output gradient (posted early, read) "
+        f"{link.recv_host[0] * 1e6:.0f} + {link.recv_host[1] * 1e6:.0f} µs (the transport, 2 processes)."
         " Step predicted = the last rank's finish in `simulate` (gloo: buffered sends) + the status all-reduce + the "
         "longest update of a rank (`benchmarks/_lib/costmodel.py`).",
         "- Engine factors (a one-stage pipeline's forward_backward over its layers' costs; they scale every compute "

@@ -13,6 +13,13 @@
 #      timed so. On the last stage B and I begin with the loss of the micro-batch (its forward and backward).
 #   transfer: a gloo send → receive of the stage's output (its header, then each tensor), from a latency + bytes /
 #      bandwidth fit of ping-pongs between two processes (``fit_link``); grad_transfer: its input gradient's.
+#   send_host, grad_send_host, recv_host: what a message costs its two ranks' own time, beside the link's: posting
+#      a send (the header pickled, an isend per tensor: 0.55–0.65 ms for two tensors here, a third of a transfer), and
+#      posting the receive of an output gradient before the recompute and reading it after (0.5–0.65 ms). The
+#      engine factor's one-stage pipelines send nothing, so this is apart from it; interleaving sends three times as
+#      many messages per rank.
+#      Measured in the K = 2 launch through the transport as the runtime uses it (``costmodel_ranks.message_host``:
+#      one rank posts, the other has its receive posted; medians), fitted as fixed + per tensor (``fit_host``).
 #   What the engine adds beyond the layers (per-layer reseeding, buffer snapshots, boundary checks, splitting,
 #   joining, its Python between the actions), and what timing a layer alone misses, is a factor that scales every
 #   compute cost of a stage: a one-stage pipeline of exactly that stage's layers, its measured forward_backward over
@@ -39,7 +46,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -95,15 +102,27 @@ class LayerCosts:
 
 @dataclass(frozen=True)
 class Link:
-    """One message's time between two processes: ``latency`` + bytes / ``bandwidth`` (bytes per second)."""
+    """One message's time between two processes: ``latency`` + bytes / ``bandwidth`` (bytes per second); and its
+    host time on each end (seconds: fixed, per tensor), which the ranks spend, not the link (``fit_host``)."""
 
     latency: float
     bandwidth: float
     samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, one-way seconds) measured
+    send_host: tuple[float, float] = (0.0, 0.0)  # posting a send: the header, an isend per tensor
+    recv_host: tuple[float, float] = (0.0, 0.0)  # posting a receive whose shapes are known, and reading it
+    host_samples: list[tuple[int, float, float]] = field(default_factory=list)  # (tensors, send s, receive s)
 
     def time(self, sizes: Sequence[int]) -> float:
         """A send of these tensors as the transport makes it: a header, then each tensor."""
         return self.latency + sum(self.latency + b / self.bandwidth for b in sizes)
+
+    def sender(self, sizes: Sequence[int]) -> float:
+        """The sending rank's own time for a message of these tensors (the transport sends no empty one)."""
+        return self.send_host[0] + self.send_host[1] * sum(1 for b in sizes if b)
+
+    def receiver(self, sizes: Sequence[int]) -> float:
+        """The receiving rank's own time for a message of these tensors posted before it came (an output gradient)."""
+        return self.recv_host[0] + self.recv_host[1] * sum(1 for b in sizes if b)
 
 
 def _leaf(x: Any) -> Any:
@@ -244,6 +263,21 @@ def fit_link(samples: Sequence[tuple[int, float]]) -> Link:
     return Link(max(my - slope * mx, 0.0), 1.0 / slope, list(samples))
 
 
+def fit_host(link: Link, samples: Sequence[tuple[int, float, float]]) -> Link:
+    """``link`` with its host times: least squares of each end's time = fixed + per tensor × tensors (each ≥ 0) over
+    ``samples`` of (tensors, send seconds, receive seconds), as ``costmodel_ranks.message_host`` measures them."""
+
+    def line(ys: list[float]) -> tuple[float, float]:
+        xs = [float(n) for n, _, _ in samples]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        spread = sum((x - mx) ** 2 for x in xs)
+        slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread, 0.0) if spread else 0.0
+        return max(my - slope * mx, 0.0), slope
+
+    send, recv = line([t for _, t, _ in samples]), line([t for _, _, t in samples])
+    return replace(link, send_host=send, recv_host=recv, host_samples=[(int(n), s, r) for n, s, r in samples])
+
+
 @dataclass
 class Prediction:
     schedule: str
@@ -278,6 +312,11 @@ def stage_costs(lc: LayerCosts, link: Link, layers: range, *, last: bool, first:
     B = I + W if split else e * (total("backward") + loss)  # a fused B on a split rank runs both halves
     out = link.time(lc.out_bytes[layers[-1]]) if not last else 0.0
     back = link.time(lc.grad_bytes[layers[0] - 1]) if not first else 0.0
+    host = {
+        "send_host": link.sender(lc.out_bytes[layers[-1]]) if not last else 0.0,
+        "grad_send_host": link.sender(lc.grad_bytes[layers[0] - 1]) if not first else 0.0,
+        "recv_host": link.receiver(lc.grad_bytes[layers[-1]]) if not last else 0.0,
+    }
     return Costs(
         F=e * total("forward"),
         F_kept=e * total(prefix + "kept"),
@@ -287,6 +326,7 @@ def stage_costs(lc: LayerCosts, link: Link, layers: range, *, last: bool, first:
         R=e * total(prefix + "recompute"),
         transfer=out,
         grad_transfer=back,
+        **host,
     )
 
 

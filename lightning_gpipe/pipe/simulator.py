@@ -6,11 +6,14 @@ What it assumes the runtime does (``forward_backward``, ``Executor.forward_micro
   stage 0 → S − 1 and its backward back; the last stage's B (or I) begins with m's loss, so it needs no receive.
 * F(m) on stage s > 0 receives m's activation from stage s − 1 when it starts (``Links.receive``: the header on the
   gloo group, then the tensors' receives) and waits for it; it computes, then posts the send of its output to stage
-  s + 1 (none from the last stage). A send never blocks the rank, only its communicator's queue.
+  s + 1 (none from the last stage). A send never blocks the rank, only its communicator's queue; posting it takes
+  the rank's host ``send_host`` (pickling the header, one isend per tensor), after which the message leaves.
 * B(m) or I(m) on stage s < S − 1 posts the receive of m's output gradient from stage s + 1 when it starts, header
   and tensors at once (``backward_micro``: the shapes are known), then recomputes (cost R, when the graph was not
   kept: ``keeps_graph``), then waits, computes, and posts the send of the input gradient to stage s − 1 (none from
-  stage 0). W needs nothing. After its last action a rank waits until its sends were received (``wait_sends``).
+  stage 0). Posting that receive and reading it take the rank's host ``recv_host``, charged with the posting (when
+  the wait is long, the reading hides in it). W needs nothing. After its last action a rank waits until its sends
+  were received (``wait_sends``).
 * Communication as NCCL runs it, as ``nccl_order`` checks it on CPU: per rank, one queue per communicator, run one
   operation at a time in posting order; a send completes only when the matching receive runs (a large send's
   rendezvous, the worst case the runtime must survive); the n-th send a → b on a communicator meets b's n-th receive
@@ -51,7 +54,10 @@ class Costs:
     F_kept: the forward of a micro-batch whose graph is kept (None: ``F``; on the CPU a dropped one runs without
     autograd, so the two differ); transfer: from a send and its receive both running to both completing;
     grad_transfer: the same for the chunk's input gradient, sent back (None: ``transfer``; the two differ where the
-    stage's input and output do)."""
+    stage's input and output do). send_host: the rank's own time to post the send of the chunk's output, which
+    leaves after it; grad_send_host: the same for its input gradient (None: ``send_host``); recv_host: its own time
+    to post the receive of the chunk's output gradient and read it (what the transfers do not hold: a message's
+    host work is the rank's, not the link's)."""
 
     F: float = 1.0
     B: float = 2.0
@@ -61,6 +67,9 @@ class Costs:
     transfer: float = 0.0
     grad_transfer: float | None = None
     F_kept: float | None = None
+    send_host: float = 0.0
+    grad_send_host: float | None = None
+    recv_host: float = 0.0
 
 
 @dataclass
@@ -198,6 +207,8 @@ class _Run:
                     self.need[r] = message
                     if src % K != r:  # posted before the recompute, which fills the wait (backward_micro)
                         self.post(False, r, src % K, message, self.clock[r])
+                        if a.kind != "F":
+                            self.ready[r] += cost.recv_host
                 if a.kind in ("B", "I") and not keeps_graph(self.checkpoint, ops, a.m, a.c):
                     self.ready[r] += cost.R
             need = self.need[r]
@@ -218,7 +229,9 @@ class _Run:
                 if dst % K == r:
                     self.arrived[message] = end
                 else:
-                    self.post(True, r, dst % K, message, end)
+                    host = cost.send_host if a.kind == "F" or cost.grad_send_host is None else cost.grad_send_host
+                    self.clock[r] = end + host
+                    self.post(True, r, dst % K, message, self.clock[r])
             self.pc[r] += 1
             moved = True
         return moved

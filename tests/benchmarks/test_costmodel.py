@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
-from benchmarks._lib.costmodel import LayerCosts, Link, fit_link, predict, profile_layers
+from benchmarks._lib.costmodel import LayerCosts, Link, fit_host, fit_link, predict, profile_layers
 from lightning_gpipe.pipe import batchnorm
 from lightning_gpipe.pipe.simulator import Costs
 
@@ -46,10 +47,27 @@ def test_stage_costs_from_layer_costs() -> None:
     # without grad, each backward recomputes -- as the engine recomputes. The header and the tensor each pay the
     # latency.
     first = Costs(F=1.0, F_kept=1.5, B=2.0, I=1.25, W=1.75, R=1.25, transfer=0.1 + 0.1 + 0.1, grad_transfer=0.0)
-    assert stage(p, 0) == first
+    assert stage(p, 0) == replace(first, grad_send_host=0.0)  # sends no gradient: no host time for one
     # The last stage keeps its graphs (forward under grad) and begins each backward with the loss.
     last = Costs(F=0.8, F_kept=1.0, B=2.5, I=2.0, W=1.5, R=0.9, transfer=0.0, grad_transfer=0.1 + 0.1 + 0.2)
-    assert stage(p, 1) == last
+    assert stage(p, 1) == replace(last, grad_send_host=0.0)
+
+
+def test_a_messages_host_time_is_its_ranks() -> None:
+    """The host time of each message a stage sends or receives (fixed + per tensor: ``fit_host``) enters its costs:
+    stage 0 sends its output (one tensor) and receives its gradient; the last stage sends the input gradient."""
+    samples = [(n, 0.01 + 0.002 * n, 0.03 + 0.004 * n) for n in (1, 2, 3, 4)]
+    link = fit_host(LINK, samples)
+    assert link.send_host == pytest.approx((0.01, 0.002)) and link.recv_host == pytest.approx((0.03, 0.004))
+    assert (link.latency, link.bandwidth) == (LINK.latency, LINK.bandwidth)
+    assert link.sender([100, 0, 40]) == pytest.approx(0.014)  # the transport sends no empty tensor
+    p = predict(LAYERS, link, "gpipe", 2, 2, checkpoint="except_last")
+    assert (stage(p, 0).send_host, stage(p, 0).recv_host) == pytest.approx((0.012, 0.034))
+    assert (stage(p, 1).grad_send_host, stage(p, 1).send_host, stage(p, 1).recv_host) == pytest.approx((0.012, 0, 0))
+    # The step by hand below, where each message leaves after its sender's host time: activation 0 0.012 later (and
+    # with it rank 1's whole chain), gradients 0 and 1 another 0.012 each; rank 0's posting and reading of its
+    # gradients (0.034) hides in its recomputes.
+    assert p.makespan == pytest.approx(11.0 + 3 * 0.012)
 
 
 def test_two_stage_gpipe_step_by_hand() -> None:
@@ -88,7 +106,7 @@ def test_zb_h1_splits_on_the_ranks_that_run_w_only() -> None:
 def test_engine_factors_per_stage_scale_that_stage_only() -> None:
     plain = predict(LAYERS, NO_LINK, "gpipe", 2, 2)
     scaled = predict(LAYERS, NO_LINK, "gpipe", 2, 2, engines={(0, 1): 2.0})
-    assert stage(scaled, 0) == Costs(F=2.0, F_kept=3.0, B=4.0, I=2.5, W=3.5, R=2.5, grad_transfer=0.0)
+    assert stage(scaled, 0) == Costs(F=2.0, F_kept=3.0, B=4.0, I=2.5, W=3.5, R=2.5, grad_transfer=0.0, grad_send_host=0)
     assert stage(scaled, 1) == stage(plain, 1)
     # Without a stage's factor, the one-process one: the whole model's engine × the co-run factor (K ≥ 2).
     one = predict(LayerCosts(**{**LAYERS.as_dict(), "engine": 2.0, "corun": 1.5}), NO_LINK, "gpipe", 2, 2)

@@ -193,6 +193,25 @@ def test_costs_recompute_and_transfers() -> None:
     assert simulate(actions, 2, costs=Costs(R=1), checkpoint="except_last").makespan == 6  # F0 B0 keeps its graph
 
 
+def test_a_message_costs_its_ranks_host_time() -> None:
+    """1F1B at K = 2, M = 2 (F 1, B 2, no transfer time). Posting a send takes the sender 0.25, and the message leaves
+    after it: rank 0's F1 runs 1.25–2.25; rank 1's F0 1.25–2.25, B0 2.25–4.25, F1 4.5–5.5, B1 5.5–7.5, whose
+    gradient leaves at 7.75. Posting and reading an output gradient takes the receiver ``recv_host``, which a wait
+    hides: rank 0's B1 posts at 6.5 and starts when the gradient comes, 7.75 (9.75 in all, 9 without host time);
+    with 2, it starts at 8.5 although the gradient came at 7.75."""
+    actions = SCHEDULES["1f1b"].actions(2, 2, 1)
+    assert simulate(actions, 2, nccl=False).makespan == 9
+    result = simulate(actions, 2, costs=Costs(send_host=0.25, recv_host=0.5), nccl=False)
+    spans = [[(start, end) for _, start, end in row] for row in result.timeline]
+    assert spans[0] == [(0, 1), (1.25, 2.25), (4.5, 6.5), (7.75, 9.75)]
+    assert spans[1] == [(1.25, 2.25), (2.25, 4.25), (4.5, 5.5), (5.5, 7.5)]
+    assert result.makespan == 9.75
+    assert simulate(actions, 2, costs=Costs(send_host=0.25, recv_host=2), nccl=False).makespan == 10.5
+    # An input gradient's send may cost another time than an activation's: rank 1's gradients leave 1 after B.
+    result = simulate(actions, 2, costs=Costs(send_host=0.25, grad_send_host=1), nccl=False)
+    assert result.timeline[1][2][1:] == (5.25, 6.25) and result.makespan == 11.25
+
+
 def test_a_kept_forward_costs_f_kept_a_dropped_one_f() -> None:
     """GPipe at K = 2, M = 2, ``except_last``: rank 0 drops both graphs (forward F = 1 each), the last rank keeps
     both (F_kept = 3 each): rank 1 runs 1–4, 4–6, 6–9, 9–11 and rank 0's B1 ends at 13; with every graph kept
