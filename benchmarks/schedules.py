@@ -4,7 +4,8 @@
 # 1. Costs on this machine, in this process (1 thread): each layer's forward (without grad, kept under grad, and
 #    recomputed), backward, zb-h1's split halves, RMSprop update and output bytes, on one micro-batch; the loss; the
 #    one-process engine factor, from the whole model's one-stage pipeline (_lib/costmodel.py says how each enters).
-# 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs; the
+# 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs as
+#    GPipeStage solves them, interleaved chunks by chunks.solve_chunks; the
 #    K=2 launch first fits gloo's latency and bandwidth by ping-pongs, and a message's host time on each end through
 #    the transport): a training step (stage.forward_backward with
 #    the loss per micro-batch on the last stage, then RMSprop) for every schedule the executor runs

@@ -56,6 +56,7 @@ from torch import nn
 from lightning_gpipe.pipe import solve
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
 from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
+from lightning_gpipe.pipe.chunks import solve_chunks
 from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.rematerialize import recomputing
 from lightning_gpipe.pipe.schedules import fuse_halves, keeps_graph, lookup
@@ -348,7 +349,10 @@ def predict(
     ``engines``: per stage, by its layers (start, stop), the engine factor measured in the K-process launch (co-run
     included); the stages it lacks get the one-process ``lc.engine`` × ``lc.corun``."""
     S = v * K
-    counts = list(balance) if balance is not None else solve(lc.cut_costs(), S)
+    # Cut as GPipeStage cuts measured costs: one chunk per rank by the costliest stage, interleaved chunks for the
+    # shortest simulated step of each rank's chunks together (chunks.solve_chunks).
+    cut = solve(lc.cut_costs(), S) if v == 1 else solve_chunks(lc.cut_costs(), K, v, M, checkpoint)
+    counts = list(balance) if balance is not None else cut
     if len(counts) != S or sum(counts) != len(lc.forward):
         raise ValueError(f"balance {counts} must split {len(lc.forward)} layers into {S} stages")
     actions = [fuse_halves(ops) for ops in lookup(schedule).actions(K, M, v)]  # as the executor runs them
