@@ -43,7 +43,9 @@ def _one_group_traffic(rank: int, world_size: int, split: bool) -> str:
     world = dist.group.WORLD
     assert world is not None
     upstream = dist.new_group(backend="gloo") if split else world
-    tr = Transport(world, device=torch.device("cpu"), timeout=timedelta(seconds=4), upstream_group=upstream)
+    # A hang is caught after the timeout: short where one is expected, long where a loaded machine must not fake one.
+    timeout = timedelta(seconds=30 if split else 4)
+    tr = Transport(world, device=torch.device("cpu"), timeout=timeout, upstream_group=upstream)
     a = [torch.full((64,), float(m)) for m in range(2)]
     try:
         if rank == 0:
