@@ -33,17 +33,17 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._lib import report
-from benchmarks._lib.costmodel import LayerCosts, Link, echo, engine_factor, fit_host, fit_link, ping_pong, predict
+from benchmarks._lib.costmodel import LayerCosts, engine_factor, predict
 from benchmarks._lib.costmodel import profile_layers as profile
 from benchmarks._lib.costmodel_ranks import (
     PARTS,
     StageTimes,
     engines_of,
-    message_host,
     one_stage_time,
     parts_rows,
     traced_kinds,
 )
+from benchmarks._lib.gloo_link import Link, echo, fit_host, fit_link, message_host, ping_pong
 from benchmarks._lib.machine import (
     Runner,
     Timing,
@@ -137,7 +137,7 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         elif rank == 1:
             echo(0, PING_BYTES, repeat=15)
         dist.barrier()
-    if job["ping"]:  # what a message costs each end's own time, beside the link (costmodel.fit_host)
+    if job["ping"]:  # what a message costs each end's own time, beside the link (gloo_link.fit_host)
         pair = dist.new_group([0, 1])
         if rank < 2:
             out["host"] = message_host(pair)

@@ -18,7 +18,7 @@
 #      posting the receive of an output gradient before the recompute and reading it after (0.5–0.65 ms). The
 #      engine factor's one-stage pipelines send nothing, so this is apart from it; interleaving sends three times as
 #      many messages per rank.
-#      Measured in the K = 2 launch through the transport as the runtime uses it (``costmodel_ranks.message_host``:
+#      Measured in the K = 2 launch through the transport as the runtime uses it (``gloo_link.message_host``:
 #      one rank posts, the other has its receive posted; medians), fitted as fixed + per tensor (``fit_host``).
 #   What the engine adds beyond the layers (per-layer reseeding, buffer snapshots, boundary checks, splitting,
 #   joining, its Python between the actions), and what timing a layer alone misses, is a factor that scales every
@@ -46,13 +46,13 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from benchmarks._lib.gloo_link import Link
 from lightning_gpipe.pipe import solve
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
 from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
@@ -62,8 +62,6 @@ from lightning_gpipe.pipe.rematerialize import recomputing
 from lightning_gpipe.pipe.schedules import fuse_halves, keeps_graph, lookup
 from lightning_gpipe.pipe.simulator import Costs, simulate
 from lightning_gpipe.pipe.weight_grad import WeightGrads
-
-HEADER_BYTES = 256  # a pickled header dict (the transport's HEADER_TAG message): the latency alone, in effect
 
 
 @dataclass
@@ -99,31 +97,6 @@ class LayerCosts:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Link:
-    """One message's time between two processes: ``latency`` + bytes / ``bandwidth`` (bytes per second); and its
-    host time on each end (seconds: fixed, per tensor), which the ranks spend, not the link (``fit_host``)."""
-
-    latency: float
-    bandwidth: float
-    samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, one-way seconds) measured
-    send_host: tuple[float, float] = (0.0, 0.0)  # posting a send: the header, an isend per tensor
-    recv_host: tuple[float, float] = (0.0, 0.0)  # posting a receive whose shapes are known, and reading it
-    host_samples: list[tuple[int, float, float]] = field(default_factory=list)  # (tensors, send s, receive s)
-
-    def time(self, sizes: Sequence[int]) -> float:
-        """A send of these tensors as the transport makes it: a header, then each tensor."""
-        return self.latency + sum(self.latency + b / self.bandwidth for b in sizes)
-
-    def sender(self, sizes: Sequence[int]) -> float:
-        """The sending rank's own time for a message of these tensors (the transport sends no empty one)."""
-        return self.send_host[0] + self.send_host[1] * sum(1 for b in sizes if b)
-
-    def receiver(self, sizes: Sequence[int]) -> float:
-        """The receiving rank's own time for a message of these tensors posted before it came (an output gradient)."""
-        return self.recv_host[0] + self.recv_host[1] * sum(1 for b in sizes if b)
 
 
 def _leaf(x: Any) -> Any:
@@ -229,54 +202,6 @@ def profile_layers(model: nn.Sequential, sample: Any, loss: Any, *, repeat: int 
         split_weight=medians["split_weight"],
         loss=statistics.median(loss_times[warmup:]),
     )
-
-
-def ping_pong(peer: int, sizes: Sequence[int], repeat: int = 9) -> list[tuple[int, float]]:
-    """(bytes, one-way seconds: median round trip / 2) per size, with ``peer`` (which calls ``echo``) over gloo."""
-    out = []
-    for size in sizes:
-        buf = torch.zeros(max(size // 4, 1))
-        trips = []
-        for _ in range(repeat + 1):
-            start = time.perf_counter()
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-            trips.append(time.perf_counter() - start)
-        out.append((buf.numel() * 4, statistics.median(trips[1:]) / 2))
-    return out
-
-
-def echo(peer: int, sizes: Sequence[int], repeat: int = 9) -> None:
-    """The other end of ``ping_pong``."""
-    for size in sizes:
-        buf = torch.zeros(max(size // 4, 1))
-        for _ in range(repeat + 1):
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
-
-
-def fit_link(samples: Sequence[tuple[int, float]]) -> Link:
-    """Least squares of time = latency + bytes / bandwidth over the samples (latency ≥ 0)."""
-    xs, ys = [float(b) for b, _ in samples], [t for _, t in samples]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    slope = max(slope, 1e-15)
-    return Link(max(my - slope * mx, 0.0), 1.0 / slope, list(samples))
-
-
-def fit_host(link: Link, samples: Sequence[tuple[int, float, float]]) -> Link:
-    """``link`` with its host times: least squares of each end's time = fixed + per tensor × tensors (each ≥ 0) over
-    ``samples`` of (tensors, send seconds, receive seconds), as ``costmodel_ranks.message_host`` measures them."""
-
-    def line(ys: list[float]) -> tuple[float, float]:
-        xs = [float(n) for n, _, _ in samples]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        spread = sum((x - mx) ** 2 for x in xs)
-        slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread, 0.0) if spread else 0.0
-        return max(my - slope * mx, 0.0), slope
-
-    send, recv = line([t for _, t, _ in samples]), line([t for _, _, t in samples])
-    return replace(link, send_host=send, recv_host=recv, host_samples=[(int(n), s, r) for n, s, r in samples])
 
 
 @dataclass

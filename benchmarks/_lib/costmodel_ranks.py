@@ -5,7 +5,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -18,53 +17,8 @@ from benchmarks._lib.machine import MIN_CLEAN, Runner, Timing, pause_until_quiet
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import tree_flatten
 from lightning_gpipe.pipe.executor import Checkpoint
-from lightning_gpipe.pipe.transport import TensorMeta, Transport
 
 LossFn = Callable[[Any, int], torch.Tensor]
-
-
-HOST_TENSORS = (1, 2, 3, 4)  # tensors per message, each of HOST_BYTES, for ``message_host``'s fit
-HOST_BYTES = 64 << 10
-
-
-def message_host(pair: Any, repeat: int = 15) -> list[tuple[int, float, float]]:
-    """On both ranks of the group ``pair``, through a ``Transport`` on it as a stage uses one: per message of n
-    tensors, (n, the sender's seconds in ``send`` + ``retire_sends`` as ``Links.send`` runs them, the
-    receiver's in ``post_recv`` with the shapes known + ``wait`` once the message is there, as ``backward_micro`` runs
-    them); medians over ``repeat`` messages each way, after one. Host time only: each timed call finds its peer
-    ready (the receive posted before the send; the bytes given 2 ms to land before the wait)."""
-    rank = dist.get_rank(pair)
-    peer = 1 - rank
-    transport = Transport(pair, device=torch.device("cpu"), timeout=timedelta(seconds=60))
-    out = []
-    for n in HOST_TENSORS:
-        obj = [torch.zeros(HOST_BYTES // 4) for _ in range(n)]
-        metas = [TensorMeta(t.dtype, tuple(t.shape), False) for t in obj]
-        send: list[float] = []
-        recv: list[float] = []
-        for i in range(2 * (repeat + 1)):
-            sender = i % 2 == rank  # by turns, so that each rank plays both ends
-            if not sender:
-                start = time.perf_counter()
-                pending = transport.post_recv(peer, "a message", expect=metas)
-                posted = time.perf_counter() - start
-            dist.barrier(pair)
-            if sender:
-                start = time.perf_counter()
-                transport.send(peer, obj, m=i, stage=rank)
-                transport.retire_sends()
-                send.append(time.perf_counter() - start)
-            else:
-                time.sleep(0.002)
-                start = time.perf_counter()
-                pending.wait()
-                recv.append(posted + time.perf_counter() - start)
-            transport.wait_sends()
-            dist.barrier(pair)
-        times = torch.tensor([statistics.median(send[1:]), statistics.median(recv[1:])], dtype=torch.float64)
-        dist.all_reduce(times, group=pair)  # both ends' medians, averaged
-        out.append((n, float(times[0]) / 2, float(times[1]) / 2))
-    return out
 
 
 def stage_input(model: nn.Sequential, x: Any, start: int) -> Any:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks._lib.costmodel import LayerCosts, Link, fit_host, fit_link, predict, profile_layers
+from benchmarks._lib.costmodel import LayerCosts, predict, profile_layers
+from benchmarks._lib.gloo_link import Link, fit_host, fit_link
 from lightning_gpipe.pipe import batchnorm
 from lightning_gpipe.pipe.simulator import Costs
 
