@@ -27,7 +27,10 @@ NOT_RUN = {
     "remat_forward_ab": "python -m benchmarks.remat_forward_ab --smoke --out-dir DIR: 67 s",
 }
 # Entry points smoke-run once, by a test of their own below that also checks what they measured.
-SMOKE_RUN_BY_OWN_TEST = {"peers_hf": "test_peers_hf_sets_a_huggingface_llama_beside_torchs_schedules"}
+SMOKE_RUN_BY_OWN_TEST = {
+    "peers_hf": "test_peers_hf_sets_a_huggingface_llama_beside_torchs_schedules",
+    "interleaved_split": "test_interleaved_split_compares_the_two_cuts_side_by_side",
+}
 SMOKE_RUNS = [
     "throughput",
     "overhead",
