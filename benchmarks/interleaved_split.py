@@ -13,19 +13,16 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
 import torch
 
 from benchmarks._lib import report
-from benchmarks._lib.machine import Timing, add_timing_args, launch, measure, stats, wait_quiet, zeroed
+from benchmarks._lib.machine import Timing, add_timing_args, launch, measure, paired_ratio, stats, wait_quiet, zeroed
 from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
 from lightning_gpipe.pipe import GPipeStage, solve
-from lightning_gpipe.pipe.chunks import solve_chunks
-from lightning_gpipe.pipe.schedules import lookup
-from lightning_gpipe.pipe.simulator import Costs, simulate
+from lightning_gpipe.pipe.chunks import simulated_step, solve_chunks
 
 K, V, M = 2, 2, 8
 SPLITS = ("per-chunk", "simulated")
@@ -33,16 +30,6 @@ COLS = (
     "model|model|; split|split|; balance|layers per chunk|; median_ms|median step ms|.1f; clean|clean/timed|; "
     "modelled|simulated step (cost units)|.1f; paired|step ÷ per-chunk's, paired by round|.3f"
 )
-
-
-def modelled(costs: list[float], counts: list[int]) -> float:
-    """The step solve_chunks minimizes, for ``counts``: a chunk of cost c runs F = c/3, B = 2c/3, R = F."""
-    per_chunk, start = {}, 0
-    for s, n in enumerate(counts):
-        c = sum(costs[start : start + n])
-        start += n
-        per_chunk[s % K, s // K] = Costs(F=c / 3, B=2 * c / 3, R=c / 3)
-    return simulate(lookup("interleaved-1f1b").actions(K, M, V), K, V, per_chunk, checkpoint="except_last").makespan
 
 
 def run_job(rank: int, world: int, job: dict) -> dict:
@@ -62,12 +49,6 @@ def run_job(rank: int, world: int, job: dict) -> dict:
             )
         out[name] = measure(runners, job["timing"]).records
     return out
-
-
-def paired(a: list[dict], b: list[dict]) -> float | None:
-    """The median of a's step ÷ b's over the rounds where both were clean (None: under 3)."""
-    ratios = [x["s"] / y["s"] for x, y in zip(a, b) if x["clean"] and y["clean"]]
-    return statistics.median(ratios) if len(ratios) >= 3 else None
 
 
 def main() -> None:
@@ -102,8 +83,8 @@ def main() -> None:
                     "balance": str(entry[split]),
                     **st,
                     "clean": f"{st['clean_steps']}/{st['timed_steps']}",
-                    "modelled": modelled(entry["costs_ms"], entry[split]),
-                    "paired": paired(raw[name][split], raw[name]["per-chunk"]),
+                    "modelled": simulated_step(entry["costs_ms"], entry[split], K, V, M, "except_last"),
+                    "paired": paired_ratio(raw[name][split], raw[name]["per-chunk"]),
                 }
             )
     total = time.perf_counter() - t0

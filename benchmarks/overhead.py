@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._lib import report
-from benchmarks._lib.machine import launch, pause_until_quiet, timed, wait_quiet
+from benchmarks._lib.machine import launch, paired_ratio, pause_until_quiet, timed, wait_quiet
 from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
 from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
 from lightning_gpipe.pipe.chunks import solve_chunks
@@ -154,19 +154,6 @@ def summarize(steps: list[dict]) -> dict[str, Any]:
     keys = (*SHARES, "waiting", "span_ms", "bubble_of_pipeline", "efficiency")
     row = {key: statistics.median(s[key] for s in use) for key in keys}
     return {**row, "theoretical_bubble": steps[0]["theoretical_bubble"], "n": len(use), "clean": len(clean)}
-
-
-def paired_ratio(entry: dict[str, Any], path: str, base: str) -> float | None:
-    """The median over rounds of ``path``'s step ÷ ``base``'s in the same round, both clean (None: under 3 rounds).
-
-    The two ran back to back in the same processes, so a round's ratio cancels the VM's drift, which moves whole
-    steps by 10–20 % over a run: the medians of the two paths' own steps cannot resolve a few % between them."""
-    pairs = [
-        a["span_ms"] / b["span_ms"]
-        for a, b in zip(entry[path]["steps"], entry[base]["steps"])
-        if a["clean"] and b["clean"]
-    ]
-    return statistics.median(pairs) if len(pairs) >= 3 else None
 
 
 COLUMNS: list[report.Column] = [
@@ -328,7 +315,8 @@ def main() -> None:
         whole = [w for w in rows if (w["model"], w["K"], w["path"]) == (r["model"], r["K"], "whole-batch")]
         r["vs_whole"] = r["span_ms"] / whole[0]["span_ms"] if whole else None
         if "gpipe" in args.paths:
-            r["vs_gpipe_paired"] = paired_ratio(raw[r["K"]][r["model"]], r["path"], "gpipe")
+            entry = raw[r["K"]][r["model"]]
+            r["vs_gpipe_paired"] = paired_ratio(entry[r["path"]]["steps"], entry["gpipe"]["steps"], "span_ms")
     total = time.perf_counter() - t_start
     command = report.command_line("overhead")
     md = ["# Where the time goes (GPipe Table 4), from the timeline", "", *report.environment_lines(env)]

@@ -40,6 +40,7 @@ __all__ = [
     "machine_info",
     "max_over_ranks",
     "measure",
+    "paired_ratio",
     "pause_until_quiet",
     "probe",
     "stats",
@@ -359,6 +360,14 @@ def measure(runners: Mapping[str, Runner], timing: Timing, after_first: Callable
         clean = min(sum(r["clean"] for r in recs) for recs in records.values())
         if (done >= timing.steps and clean >= timing.steps) or done >= timing.max_steps:
             return Measured(records, first, paused)
+
+
+def paired_ratio(a: list[dict], b: list[dict], key: str = "s") -> float | None:
+    """The median over rounds of a's step ÷ b's of the same round (``key``: the step's time), both clean (None: under
+    3 such rounds). The two ran back to back in the same processes, so a round's ratio cancels the VM's drift, which
+    moves whole steps by 10–20 % over a run: the medians of each one's own steps cannot resolve a few % between them."""
+    ratios = [x[key] / y[key] for x, y in zip(a, b) if x["clean"] and y["clean"]]
+    return statistics.median(ratios) if len(ratios) >= 3 else None
 
 
 def stats(records: list[dict], samples_per_step: int) -> dict:

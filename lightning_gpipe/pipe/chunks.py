@@ -66,10 +66,10 @@ def solve_chunks(costs: Sequence[float], K: int, v: int, M: int, checkpoint: Che
     Each rank runs all its chunks, so what bounds the step is each rank's chunks together, and the cheapest
     costliest chunk (``solve``) may load one rank more than another: with few layers per chunk, the rounding of each
     chunk adds up on a rank. A chunk holding layers of cost c is simulated as F = c/3, B = 2c/3 and, before the
-    backward of a micro-batch whose graph was dropped (``schedules.keeps_graph``), R = F. Every split is simulated
-    when there are at most ``EXHAUSTIVE_SPLITS``; otherwise runs of consecutive chunk boundaries are shifted
-    together from ``solve``'s split while the step shortens (moving layers between two chunks of a rank through the
-    chunks between them leaves those as they are).
+    backward of a micro-batch whose graph was dropped (``schedules.keeps_graph``), R = F (``simulated_step``). Every
+    split is simulated when they fit in ``SIMULATED_ACTIONS``; otherwise, within it, runs of consecutive chunk
+    boundaries are shifted together from ``solve``'s split while the step shortens (moving layers between two chunks
+    of a rank through the chunks between them leaves those as they are).
     """
     if v < 2:
         raise ValueError(f"solve_chunks splits a backbone for interleaving (v ≥ 2 chunks per rank), got v = {v}")
@@ -77,15 +77,10 @@ def solve_chunks(costs: Sequence[float], K: int, v: int, M: int, checkpoint: Che
     # The per-chunk optimum, the last chunk weighed as it runs (F + B, where the others recompute: about 3 : 4).
     start = solve(costs, S, 0.75 if checkpoint != "never" else 1.0)
     actions = _admitted_actions(K, M, v)
-    prefix = [0.0, *itertools.accumulate(float(c) for c in costs)]
 
     def step(cuts: Sequence[int]) -> float:
-        bounds = [0, *cuts, L]
-        per_chunk = {}
-        for s in range(S):
-            c = prefix[bounds[s + 1]] - prefix[bounds[s]]
-            per_chunk[s % K, s // K] = Costs(F=c / 3, B=2 * c / 3, R=c / 3)
-        return simulate(actions, K, v, per_chunk, checkpoint=checkpoint).makespan
+        counts = [b - a for a, b in zip([0, *cuts], [*cuts, L])]
+        return simulate(actions, K, v, _chunk_costs(costs, counts, K), checkpoint=checkpoint).makespan
 
     best_cuts = list(itertools.accumulate(start))[:-1]
     best = step(best_cuts)
@@ -111,6 +106,24 @@ def solve_chunks(costs: Sequence[float], K: int, v: int, M: int, checkpoint: Che
                 break
             best, best_cuts = found
     return [b - a for a, b in zip([0, *best_cuts], [*best_cuts, L])]
+
+
+def simulated_step(
+    costs: Sequence[float], counts: Sequence[int], K: int, v: int, M: int, checkpoint: Checkpoint
+) -> float:
+    """The interleaved-1f1b step ``solve_chunks`` weighs for the split ``counts``, in the costs' unit."""
+    return simulate(_admitted_actions(K, M, v), K, v, _chunk_costs(costs, counts, K), checkpoint=checkpoint).makespan
+
+
+def _chunk_costs(costs: Sequence[float], counts: Sequence[int], K: int) -> dict[tuple[int, int], Costs]:
+    """Per (rank, chunk): a chunk of layers of cost c runs F = c/3, B = 2c/3, R = F (a layer's backward is about
+    twice its forward; only the ratios matter)."""
+    out, start = {}, 0
+    for s, n in enumerate(counts):
+        c = float(sum(costs[start : start + n]))
+        start += n
+        out[s % K, s // K] = Costs(F=c / 3, B=2 * c / 3, R=c / 3)
+    return out
 
 
 def _admitted_actions(K: int, M: int, v: int) -> list[list[Action]]:
