@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,6 +33,10 @@ COLS = (
 )
 
 
+def _step(stage: GPipeStage, x: Any, per_micro: Any) -> None:
+    stage.forward_backward(x, per_micro, schedule="interleaved-1f1b")
+
+
 def run_job(rank: int, world: int, job: dict) -> dict:
     out = {}
     for name, entry in job["models"].items():
@@ -41,12 +46,7 @@ def run_job(rank: int, world: int, job: dict) -> dict:
             torch.manual_seed(0)
             stage = GPipeStage(build(name, entry["sizes"]), chunks=M, balance=entry[split], virtual_stages=V)
             per_micro = per_micro_batch(loss_fn, target, stage.micro_batch_sizes(x))
-            runners[split] = zeroed(
-                stage,
-                lambda s=stage, f=per_micro, x=x: s.forward_backward(
-                    x if s.is_first else None, f, schedule="interleaved-1f1b"
-                ),
-            )
+            runners[split] = zeroed(stage, partial(_step, stage, x if stage.is_first else None, per_micro))
         out[name] = measure(runners, job["timing"]).records
     return out
 
@@ -102,7 +102,7 @@ def main() -> None:
         ]
     )
     print(md)
-    data = dict(command=report.command_line("interleaved_split"), environment=env, models=models)
+    data: dict[str, Any] = dict(command=report.command_line("interleaved_split"), environment=env, models=models)
     data.update(timing=vars(timing), rows=rows, raw=raw, total_s=total)
     paths = report.write("interleaved_split", data, md, out_dir=args.out_dir)
     print(f"# wrote {', '.join(paths.values())}")

@@ -146,6 +146,10 @@ def legend_right(ax: Any, **kwargs: Any) -> Any:
     return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
 
 
-def columns(spec: str) -> list[tuple[str, ...]]:
+def columns(spec: str) -> list[Column]:
     """Table columns written as "key|header|format; ..." (``markdown_table``'s column tuples)."""
-    return [tuple(c.strip().split("|")) for c in spec.split(";")]
+    out: list[Column] = []
+    for c in spec.split(";"):
+        key, header, fmt = c.strip().split("|")
+        out.append((key, header, fmt))
+    return out
