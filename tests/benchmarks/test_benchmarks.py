@@ -45,6 +45,7 @@ SMOKE_RUNS = [
     "schedules",
     "peers_schedules",
     "skips",
+    "zb_split",
 ]
 
 

@@ -1,0 +1,153 @@
+"""What zb-h1's split costs a micro-batch on the last stage: F + B against F, I and W (W: the deferred weights')."""
+
+# At K = 2 only the last rank splits its backwards ("zb-h1" fuses I and W where nobody waits for the input gradient),
+# so its step is that rank's F + I + W per micro-batch where 1F1B's is F + B. One process, one thread: the last
+# stage's layers of overhead.py's K = 2 balance, one micro-batch (batch / M samples), the plain and the split pass
+# alternating round by round; gradients accumulate as in micro-batches 1 … M−1 of a step. Profiled rounds of each,
+# alternating, give the matrix products' time (aten::mm, the convolutions' backward): the same products, in I and W or
+# in B. `python -m benchmarks.zb_split` (about 1 min on 2 cores; `--smoke`: small models, seconds; `--out-dir DIR`);
+# results in benchmarks/README.md.
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks._lib import report, workloads
+from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
+from lightning_gpipe.pipe.weight_grad import WeightGrads
+
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::convolution_backward")
+Pass = Callable[[], dict[str, float]]
+
+
+def _passes(name: str, s: dict[str, Any], M: int) -> tuple[list[int], Pass, Pass]:
+    """The last stage's layers at K = 2 and two passes of one micro-batch through them: plain and split."""
+    balance = workloads.balances(name, s, [2], "time", last_stage_scale=0.75)["balance"][2]
+    model = convert_deferred_batch_norm(workloads.build(name, s))
+    x, target = workloads.make_batch(name, s, s["batch"] // M)
+    first, last = model[: balance[0]], model[balance[0] :]
+    with torch.no_grad(), deferred_statistics():
+        h = first(x)
+    leaves = h if isinstance(h, tuple) else (h,)
+    h = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in leaves)
+    inputs = h if len(h) > 1 else h[0]
+    split = WeightGrads(last)  # once per step in the engine
+
+    def forward() -> torch.Tensor:
+        with deferred_statistics():
+            return workloads.loss_fn(last(inputs), target)
+
+    def plain() -> dict[str, float]:
+        t0 = time.perf_counter()
+        loss = forward()
+        t1 = time.perf_counter()
+        loss.backward()
+        return {"F": t1 - t0, "B": time.perf_counter() - t1}
+
+    def halves() -> dict[str, float]:
+        t0 = time.perf_counter()
+        with split.deferring(0):
+            loss = forward()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        split.run(0)
+        return {"F": t1 - t0, "I": t2 - t1, "W": time.perf_counter() - t2}
+
+    return balance, plain, halves
+
+
+def _products_ms(run: Pass) -> float:
+    """The matrix products' self time in one pass, from torch's profiler."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in PRODUCTS) / 1e3
+
+
+def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int) -> dict[str, Any]:
+    torch.manual_seed(workloads.SEED)
+    balance, plain, halves = _passes(name, s, M)
+    times: dict[str, list[dict[str, float]]] = {"plain": [], "split": []}
+    for r in range(warmup + rounds):
+        for key, run in (("plain", plain), ("split", halves)):
+            t = run()
+            if r >= warmup:
+                times[key].append(t)
+
+    def median(key: str, part: str) -> float:
+        return statistics.median(t[part] for t in times[key]) * 1e3
+
+    products: dict[str, list[float]] = {"plain": [], "split": []}
+    for _ in range(max(rounds // 3, 2)):  # alternating too: the VM's speed drifts
+        products["plain"].append(_products_ms(plain))
+        products["split"].append(_products_ms(halves))
+    return {
+        "model": name,
+        "layers": f"{balance[0]}–{sum(balance) - 1} of {sum(balance)}",
+        "plain_F": median("plain", "F"),
+        "plain_B": median("plain", "B"),
+        "split_F": median("split", "F"),
+        "split_I": median("split", "I"),
+        "split_W": median("split", "W"),
+        "paired": statistics.median(sum(b.values()) / sum(a.values()) for a, b in zip(times["plain"], times["split"])),
+        "products_plain_ms": statistics.median(products["plain"]),
+        "products_split_ms": statistics.median(products["split"]),
+        "products_ratio": statistics.median(s / p for p, s in zip(products["plain"], products["split"])),
+        "rounds": rounds,
+        "raw": times,
+        "raw_products_ms": products,
+    }
+
+
+COLUMNS = report.columns(
+    "model|model|; layers|last stage's layers (K = 2)|; plain_F|plain F ms|.1f; plain_B|plain B ms|.1f;"
+    " split_F|split F ms|.1f; split_I|I ms|.1f; split_W|W ms|.1f; paired|(F + I + W) ÷ (F + B), paired|.3f;"
+    " products_ratio|matrix products' time, split ÷ plain|.2f; rounds|rounds|"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["transformer", "amoebanet"], choices=list(workloads.SIZES))
+    parser.add_argument("--micro-batches", type=int, default=8, metavar="M")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--out-dir", default=str(report.RESULTS))
+    parser.add_argument("--smoke", action="store_true", help="small models, 3 rounds")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sizes = workloads.SMOKE_SIZES if args.smoke else workloads.SIZES
+    rounds, warmup = (3, 1) if args.smoke else (args.rounds, 3)
+    env = report.environment(threads_per_process=1, processes="1")
+    rows = []
+    for name in args.models:
+        row = measure(name, sizes[name], args.micro_batches, rounds, warmup)
+        rows.append(row)
+        print(
+            f"{name}: F + B {row['plain_F']:.1f} + {row['plain_B']:.1f} ms, split F + I + W {row['split_F']:.1f} + "
+            f"{row['split_I']:.1f} + {row['split_W']:.1f} ms, paired {row['paired']:.3f}; matrix products "
+            f"{row['products_split_ms']:.1f} vs {row['products_plain_ms']:.1f} ms"
+        )
+    command = report.command_line("zb_split")
+    md = ["# zb-h1's split on the last stage: one micro-batch, F + B vs F + I + W", ""]
+    md += [*report.environment_lines(env), f"- Command: `{command}`"]
+    md += [
+        f"- M = {args.micro_batches}: one micro-batch of batch / M samples; {rounds} rounds, the two passes "
+        "alternating; medians; the matrix products' self time from torch's profiler in a third as many rounds, "
+        "alternating too (the paired ratio's median)",
+        "",
+        report.markdown_table(rows, COLUMNS),
+    ]
+    data = {"command": command, "environment": env, "sizes": sizes, "rows": rows}
+    paths = report.write("zb_split", data, "\n".join(md), out_dir=args.out_dir)
+    print(f"# wrote {', '.join(paths.values())}")
+
+
+if __name__ == "__main__":
+    main()
