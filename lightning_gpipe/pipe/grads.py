@@ -1,9 +1,7 @@
-"""Gradient synchronization for pipeline × data parallelism: pipeline sums, bucketed dp means, global clipping."""
+"""Gradient synchronization for pipeline × data parallelism: pipeline sums and bucketed dp means."""
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,8 +15,6 @@ __all__ = [
     "BucketedAllReduce",
     "OverlappedReduction",
     "PendingReduction",
-    "clip_grad_norm_",
-    "global_grad_norm",
     "sum_over_pipeline",
 ]
 
@@ -33,7 +29,7 @@ _Key = tuple[torch.dtype, torch.device]
 _DIVIDED_FIRST = (torch.float16, torch.bfloat16)
 
 
-def _trainable(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+def trainable(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     # Tied parameters appear once, or their gradient would be packed (and clipped) twice; frozen ones never get grads.
     return [p for p in _unique(params) if p.requires_grad]
 
@@ -53,7 +49,7 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a small tensor made for a collective over ``group`` must live: NCCL takes CUDA tensors only."""
     if group is not None and "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
@@ -72,7 +68,7 @@ def used_somewhere(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> 
     if not params:
         return []
     flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    flags = flags.to(_collective_device(group))
+    flags = flags.to(collective_device(group))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return [p for p, used in zip(params, flags.tolist()) if used]
 
@@ -204,7 +200,7 @@ class BucketedAllReduce:
         self._plan_keys: list[tuple[int, torch.dtype, torch.device]] = []
         self.buckets: list[list[nn.Parameter]] = []
         self.buffers: list[torch.Tensor | None] = []
-        self._plan(_trainable(self.params))
+        self._plan(trainable(self.params))
 
     @property
     def num_buckets(self) -> int:
@@ -336,80 +332,3 @@ class OverlappedReduction:
         copied = self.copied.start()
         own.wait()
         copied.wait()
-
-
-def _norm_device(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None) -> torch.device:
-    # A stage without parameters still joins the all-reduce, on a device the backend accepts.
-    return params[0].device if params else _collective_device(group)
-
-
-def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
-    # At least float32: bf16 and fp16 sums of squares lose most of their digits; float64 keeps its own.
-    return torch.promote_types(dtype, torch.float32)
-
-
-def global_grad_norm(
-    owned: Sequence[nn.Parameter],
-    replicated: Sequence[nn.Parameter],
-    norm_type: float,
-    pp_group: dist.ProcessGroup | None,
-    count_replicated: bool,
-) -> torch.Tensor:
-    """The ``norm_type``-norm of the whole model's gradient across the pipeline, the same on every rank: float32, or
-    float64 on a rank that holds float64 parameters (as ``torch.nn.utils.get_total_norm`` gives).
-
-    Each stage contributes ‖owned grads‖_p^p; the replicated grads (equal everywhere after :func:`sum_over_pipeline`)
-    are counted once, by the one stage passing ``count_replicated=True``. The contributions are summed (maxed for
-    p = inf) over ``pp_group`` in float64, whatever each stage's dtype; None grads are skipped; ``pp_group`` None means
-    this rank holds the whole model.
-    """
-    norm_type = float(norm_type)
-    if not norm_type > 0:
-        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
-    owned, replicated = _trainable(owned), _trainable(replicated)
-    owned_ids = {id(p) for p in owned}
-    counted = owned + ([p for p in replicated if id(p) not in owned_ids] if count_replicated else [])
-    device = _norm_device(owned + replicated, pp_group)
-    # Keyed on the parameters, not their grads: the dtype must not depend on which grads this step produced.
-    dtype = functools.reduce(torch.promote_types, [_norm_dtype(p.dtype) for p in owned + replicated], torch.float32)
-    norms = [
-        torch.linalg.vector_norm(p.grad, norm_type, dtype=_norm_dtype(p.grad.dtype)).to(device, dtype)
-        for p in counted
-        if p.grad is not None
-    ]
-    local = torch.zeros((), dtype=dtype, device=device)
-    if math.isinf(norm_type):
-        if norms:
-            local = torch.stack(norms).max()
-        return _over_pipeline(local, dist.ReduceOp.MAX, pp_group)
-    if norms:
-        local = torch.stack(norms).pow(norm_type).sum()
-    return _over_pipeline(local, dist.ReduceOp.SUM, pp_group).pow(1.0 / norm_type)
-
-
-def _over_pipeline(local: torch.Tensor, op: Any, pp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``local`` reduced by ``op`` over ``pp_group``, back in its own dtype.
-
-    In float64 on every stage: the stages need not agree on a dtype (one without float64 parameters, or none at all,
-    joins a float64 pipeline), a float64 model's norm keeps its digits, and a float32 one is rounded once, after.
-    """
-    if group_size(pp_group) == 1:
-        return local
-    total = local.to(torch.float64)
-    dist.all_reduce(total, op=op, group=pp_group)
-    return total.to(local.dtype)
-
-
-def clip_grad_norm_(
-    owned: Sequence[nn.Parameter],
-    replicated: Sequence[nn.Parameter],
-    max_norm: float,
-    norm_type: float,
-    pp_group: dist.ProcessGroup | None,
-    count_replicated: bool,
-) -> torch.Tensor:
-    """Scale all grads (owned and replicated) so that the global norm is at most ``max_norm``; returns the norm
-    before clipping (see :func:`global_grad_norm`)."""
-    total = global_grad_norm(owned, replicated, norm_type, pp_group, count_replicated)
-    torch.nn.utils.clip_grads_with_norm_(_trainable([*owned, *replicated]), max_norm, total)
-    return total

@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.grads import clip_grad_norm_, sum_over_pipeline
+from lightning_gpipe.pipe.clipping import clip_grad_norm_
+from lightning_gpipe.pipe.grads import sum_over_pipeline
 from lightning_gpipe.strategy._audit import outside_modules
 from lightning_gpipe.strategy._lightning_internals import broadcast_coalesced, route_norm_clipping
 

@@ -12,13 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.grads import (
-    BucketedAllReduce,
-    OverlappedReduction,
-    clip_grad_norm_,
-    global_grad_norm,
-    sum_over_pipeline,
-)
+from lightning_gpipe.pipe.clipping import clip_grad_norm_, global_grad_norm
+from lightning_gpipe.pipe.grads import BucketedAllReduce, OverlappedReduction, sum_over_pipeline
 from tests.helpers.launch import run_distributed
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16

@@ -186,7 +186,7 @@ def test_the_mode_runs_inside_modules_holding_a_matrix_only() -> None:
         model[i].register_forward_pre_hook(mode(name))  # after the pre-hook that enters the mode
     with weights.deferring(0):
         y = model(torch.randn(6, 4))
-    assert seen == ["NoneType", "layernorm NoneType", "linear _Deferring"]
+    assert seen == ["NoneType", "layernorm NoneType", "linear Deferring"]
     y.sum().backward()
     linears = [model[0], model[4]]  # the first on an input without grad, the second on one with it
     assert all(p.grad is None for lin in linears for p in lin.parameters()) and len(weights._pending[0]) == 2
