@@ -30,7 +30,7 @@ rank 0's chunk c + 1), a backward phase back, the last chunk first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -62,6 +62,24 @@ def backward_order(M: int) -> range:
     return range(M - 1, -1, -1)
 
 
+def _micro_batches(
+    s: Executor, inputs: Sequence[Any], sizes: Sequence[int], M: int, training: bool, where: list
+) -> Iterator[tuple[int, Any, int, dict[str, Any] | None]]:
+    """Chunk ``s``'s micro-batches in order, as (m, input, its size n, the received header's fields or None): the
+    first stage's from this rank's split input, another's received from the stage before, whose first header tells
+    how many there are; ``where`` names the one in progress for the failure handler."""
+    m = 0
+    while m < M or (m == 0 and not s.is_first):
+        where[:] = m, s.place
+        if s.is_first:
+            yield m, inputs[m], sizes[m], None
+        else:
+            x, got = s.receive(m, training=training)
+            M = got["M"]
+            yield m, x, got["n"], got
+        m += 1
+
+
 def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> tuple[list[Step], Any]:
     """The forward phase: every micro-batch through this rank's stages (``chunks``, in order), each in order; returns
     the step of each chunk and the output."""
@@ -77,18 +95,12 @@ def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: O
             could_require = any(p.requires_grad for p in s.layers.parameters())
             step = Step([], input_leaves=input_leaves if s.is_first else [], seed=seed)
             s.stateful_buffers.begin()
-            m = 0
-            while m < M or (m == 0 and not s.is_first):
-                where[:] = m, s.place
-                if s.is_first:
-                    x, n = micro_inputs[m], sizes[m]
-                else:
-                    x, got = s.receive(m, training=True)
-                    M, n, step.seed = got["M"], got["n"], got["seed"]
+            for m, x, n, got in _micro_batches(s, micro_inputs, sizes, M, True, where):
+                if got is not None:
+                    M, step.seed = got["M"], got["seed"]
                 if m == 0:
                     check_replicas_run_the_same_m(s.layers, M, s.device)
                 s.forward_micro(step, x, m, M, n, is_checkpointed(s.checkpoint, m, M), could_require)
-                m += 1
             commit_deferred_batch_norm(s.layers)
             steps.append(step)
         where[:] = None, None
@@ -148,14 +160,9 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
         M = len(inputs)
         for s in chunks:
             outs, sizes = [], []
-            m = 0
-            while m < M or (m == 0 and not s.is_first):
-                where[:] = m, s.place
-                if s.is_first:
-                    x, n = inputs[m], planned[m]
-                else:
-                    x, got = s.receive(m, training=False)
-                    M, n, seed = got["M"], got["n"], got["seed"]
+            for m, x, n, got in _micro_batches(s, inputs, planned, M, False, where):
+                if got is not None:
+                    M, seed = got["M"], got["seed"]
                 skips_in = s.peers().receive_skips(m, s.skips, s.chunk) if s.skips and s.skips.receives else {}
                 with s.timeline.record("forward", m, chunk=s.chunk):
                     y, skips_out = s.run_with_skips(x, mix(seed, m), skips_in, copy=False)
@@ -168,7 +175,6 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
                     s.peers().send(s.next_rank, y, m, s.chunk, **fields)
                 for dst, values in skips_out.items():
                     s.peers().send_skips(dst, values, [False] * len(tensors(values)), s.chunk, fields, s.routes())
-                m += 1
             commit_deferred_batch_norm(s.layers)
         where[:] = None, None
         output = join(outs, batch_dim, sizes) if chunks[-1].is_last else None
