@@ -17,7 +17,8 @@
 # 3. GPipe paper Table 2 at K = --table-k (predicted for every registered schedule, interleaved with v=2): K ∈ {1, 2,
 #    4, K} × M ∈ --table-ms, the same global batch, costs and the engine factor measured per M in one process, the
 #    co-run factor of the K=2 launch; AmoebaNet-D with 18 normal cells so that 2 × 8 = 16 stages each get a layer.
-#    Writes <out-dir>/schedules.{json,md,png}. From the repo root: python -m benchmarks.schedules
+#    Writes <out-dir>/schedules.{json,md,png} after the validation and again at the end (the tables:
+#    _lib/costmodel_report.py). From the repo root: python -m benchmarks.schedules
 
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ from benchmarks._lib import report
 from benchmarks._lib.costmodel import LayerCosts, engine_factor, predict
 from benchmarks._lib.costmodel import profile_layers as profile
 from benchmarks._lib.costmodel_ranks import (
-    PARTS,
     StageTimes,
     engines_of,
     one_stage_time,
     parts_rows,
     traced_kinds,
 )
+from benchmarks._lib.costmodel_report import markdown
 from benchmarks._lib.gloo_link import Link, echo, fit_host, fit_link, message_host, ping_pong
 from benchmarks._lib.machine import (
     Runner,
@@ -176,49 +177,6 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ tables
-VALIDATION: list[report.Column] = [
-    ("model", "model", ""),
-    ("K", "K", ""),
-    ("M", "M", ""),
-    ("schedule", "schedule", ""),
-    ("balance", "balance", ""),
-    ("predicted_ms", "predicted ms", ".1f"),
-    ("measured_ms", "measured ms (median)", ".1f"),
-    ("ratio", "predicted / measured", ".3f"),
-    ("within", "within 10 %", ""),
-    ("predicted_on_cores_ms", "predicted, cores shared", ".1f"),
-    ("ratio_on_cores", "cores shared / measured", ".3f"),
-    ("one_process_ms", "one-process prediction ms", ".1f"),
-    ("ratio_one_process", "one-process / measured", ".3f"),
-    ("clean_steps", "clean steps", ""),
-    ("note", "note", ""),
-]
-PARTS_COLUMNS: list[report.Column] = [
-    ("model", "model", ""),
-    ("K", "K", ""),
-    ("schedule", "schedule", ""),
-    ("rank", "rank", ""),
-    *[(kind, kind, "") for kind in PARTS],
-    ("step", "step", ""),
-    ("foreign_cores", "other processes (cores)", ".2f"),
-]
-TABLE2: list[report.Column] = [
-    ("model", "model", ""),
-    ("M", "M", ""),
-    ("K", "K", ""),
-    ("schedule", "schedule", ""),
-    ("step_ms", "predicted step ms", ".1f"),
-    ("samples_per_s", "samples/s", ".1f"),
-    ("speedup", "speed-up vs K=1", ".2f"),
-    ("ideal", "ideal K·M/(M+K−1)", ".2f"),
-    ("normalized", "normalized to GPipe K=2, M=1", ".2f"),
-    ("paper", "paper Table 2", ".2f"),
-    ("bubble", "bubble %", ".1f"),
-    ("peak", "peak live per rank", ""),
-    ("note", "note", ""),
-]
-
-
 def table2(name: str, costs: dict[int, LayerCosts], link: Link, ks: list[int], batch: int) -> list[dict]:
     """Predicted rows of Table 2 for one model: every schedule at every K and M (K=1: one stage, gpipe's order)."""
     rows: list[dict] = []
@@ -295,6 +253,59 @@ def plot(data: dict) -> Any:
     return report.title(fig, what, data["environment"])
 
 
+def validate(
+    models: dict[str, Any], raw: dict[int, Any], link: Link, args: argparse.Namespace, sizes: dict, cores: int
+) -> tuple[list[dict], list[dict]]:
+    """Every schedule's predicted step beside the measured one, per K and model, and the traced parts per rank."""
+    M = args.micro_batches
+    validation, parts = [], []
+    for K in sorted(args.ks):
+        for name, m in models.items():
+            for schedule in SCHEDULES:
+                v = V.get(schedule, 1)
+                engines = engines_of(m["costs"], m["stages"][K][str(v)], M)
+                p = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint, engines=engines)
+                one = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint)
+                row: dict[str, Any] = {"model": name, "K": K, "M": M, "schedule": schedule, "balance": p.balance}
+                row |= {"predicted_ms": p.step * 1e3, "predicted_on_cores_ms": p.on_cores(cores) * 1e3}
+                row["one_process_ms"] = one.step * 1e3
+                notes = ["oversubscribed"] if K > cores else []
+                if schedule in raw[K][name]:
+                    st = stats(raw[K][name][schedule], sizes[name]["batch"])
+                    row |= {"measured_ms": st["median_ms"], "clean_steps": st["clean_steps"]}
+                    row["ratio"] = row["predicted_ms"] / row["measured_ms"]
+                    row["ratio_on_cores"] = row["predicted_on_cores_ms"] / row["measured_ms"]
+                    row["ratio_one_process"] = row["one_process_ms"] / row["measured_ms"]
+                    row["within"] = "yes" if abs(row["ratio"] - 1) <= TOLERANCE else "no"
+                    notes += ["noisy"] if st["noisy"] else []
+                    parts += parts_rows(name, K, schedule, raw[K]["traced"][name][schedule], p)
+                else:
+                    notes.append("not runnable: predicted only")
+                row["note"] = ", ".join(notes)
+                validation.append(row)
+                print(f"# {row}", flush=True)
+    return validation, parts
+
+
+def table_2(models: dict[str, Any], link: Link, args: argparse.Namespace, sizes: dict) -> dict[str, list[dict]]:
+    """Each model's Table 2, predicted from costs measured in this process per M (the co-run factor of the launch)."""
+    tsizes = table_sizes(sizes, args.smoke)
+    ks = sorted({1, 2, 4, args.table_k} - {0})
+    table: dict[str, list[dict]] = {}
+    for name, m in models.items():
+        costs = {}
+        for tm in args.table_ms:
+            costs[tm], m["foreign_cores"][f"table costs M={tm}"] = costs_of(name, tsizes[name], tm, args)
+            run = partial(one_stage_step, name, tsizes[name], tm, max(2, args.steps // 2))
+            one, m["foreign_cores"][f"table one-stage M={tm}"] = quietly(run, args)
+            costs[tm].engine = engine_factor(costs[tm], one, tm, ENGINE_CHECKPOINT)
+            costs[tm].corun = m["costs"].corun
+        table[name] = table2(name, costs, link, ks, tsizes[name]["batch"])
+        models[name]["table_model"] = describe(name, tsizes[name])
+        models[name]["table_costs"] = {tm: lc.as_dict() for tm, lc in costs.items()}
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -349,53 +360,10 @@ def main() -> None:
                 rows = [row for part in raw[K]["stages"][n].values() for row in part]
                 m["costs"].corun = statistics.fmean(row["corun_s"] / row["alone_s"] for row in rows)
     assert link is not None, "--ks names at least one K"
-    validation, parts = [], []
-    for K in sorted(args.ks):
-        for name, m in models.items():
-            for schedule in SCHEDULES:
-                v = V.get(schedule, 1)
-                engines = engines_of(m["costs"], m["stages"][K][str(v)], M)
-                p = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint, engines=engines)
-                one = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint)
-                row: dict[str, Any] = {"model": name, "K": K, "M": M, "schedule": schedule, "balance": p.balance}
-                row |= {"predicted_ms": p.step * 1e3, "predicted_on_cores_ms": p.on_cores(cores) * 1e3}
-                row["one_process_ms"] = one.step * 1e3
-                notes = ["oversubscribed"] if K > cores else []
-                if schedule in raw[K][name]:
-                    st = stats(raw[K][name][schedule], sizes[name]["batch"])
-                    row |= {"measured_ms": st["median_ms"], "clean_steps": st["clean_steps"]}
-                    row["ratio"] = row["predicted_ms"] / row["measured_ms"]
-                    row["ratio_on_cores"] = row["predicted_on_cores_ms"] / row["measured_ms"]
-                    row["ratio_one_process"] = row["one_process_ms"] / row["measured_ms"]
-                    row["within"] = "yes" if abs(row["ratio"] - 1) <= TOLERANCE else "no"
-                    notes += ["noisy"] if st["noisy"] else []
-                    parts += parts_rows(name, K, schedule, raw[K]["traced"][name][schedule], p)
-                else:
-                    notes.append("not runnable: predicted only")
-                row["note"] = ", ".join(notes)
-                validation.append(row)
-                print(f"# {row}", flush=True)
-    tsizes = table_sizes(sizes, args.smoke)
-    ks = sorted({1, 2, 4, args.table_k} - {0})
-    table: dict[str, list[dict]] = {}
-    for name, m in models.items():
-        costs = {}
-        for tm in args.table_ms:
-            costs[tm], m["foreign_cores"][f"table costs M={tm}"] = costs_of(name, tsizes[name], tm, args)
-            run = partial(one_stage_step, name, tsizes[name], tm, max(2, args.steps // 2))
-            one, m["foreign_cores"][f"table one-stage M={tm}"] = quietly(run, args)
-            costs[tm].engine = engine_factor(costs[tm], one, tm, ENGINE_CHECKPOINT)
-            costs[tm].corun = m["costs"].corun
-        table[name] = table2(name, costs, link, ks, tsizes[name]["batch"])
-        models[name]["table_model"] = describe(name, tsizes[name])
-        models[name]["table_costs"] = {tm: lc.as_dict() for tm, lc in costs.items()}
-    total = time.perf_counter() - t_start
-    load, load_line = background_load(snapshot, load_before)
-    env = report.environment(threads_per_process=1, processes="one per stage (K), gloo on 127.0.0.1")
-    machine = report.machine_label(env)
+    validation, parts = validate(models, raw, link, args, sizes, cores)
     data = {
         "command": report.command_line("schedules"),
-        "environment": env,
+        "environment": report.environment(threads_per_process=1, processes="one per stage (K), gloo on 127.0.0.1"),
         "usable_cores": cores,
         "smoke": args.smoke,
         "setup": {**vars(args), "runnable": RUNNABLE, "tolerance": TOLERANCE},
@@ -407,82 +375,27 @@ def main() -> None:
             "recv_host_s": {"fixed": link.recv_host[0], "per_tensor": link.recv_host[1]},
             "host_samples": link.host_samples,
         },
-        "models": {n: {**m, "costs": m["costs"].as_dict()} for n, m in models.items()},
         "validation": validation,
         "parts": parts,
-        "table2": table,
-        "predicted_from": f"costs measured on {machine}",
-        "total_s": total,
-        "machine_check": load,
+        "table2": {},
     }
-    md = [
-        "# Schedules by the simulator as a cost model (predicted vs measured; GPipe Table 2, predicted)",
-        "",
-        *report.environment_lines(env),
-        f"- Command: `{data['command']}`; total {total:.0f} s",
-        f"- {load_line.removeprefix('# ')}; per measurement: `models.<name>.foreign_cores` in the JSON",
-        f"- Costs per layer, measured in one process (1 thread), medians of {args.repeat}: forward (no grad, kept "
-        "under grad, recomputed), backward, zb-h1's split forward, recompute, I and W, RMSprop update; the loss; gloo "
-        f"latency {link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes);"
-        f" a message's host time, the ranks' own, fixed + per tensor: sending {link.send_host[0] * 1e6:.0f} + "
-        f"{link.send_host[1] * 1e6:.0f} µs, receiving an output gradient (posted early, read) "
-        f"{link.recv_host[0] * 1e6:.0f} + {link.recv_host[1] * 1e6:.0f} µs (the transport, 2 processes)."
-        " Step predicted = the last rank's finish in `simulate` (gloo: buffered sends) + the status all-reduce + the "
-        "longest update of a rank (`benchmarks/_lib/costmodel.py`).",
-        "- Engine factors (a one-stage pipeline's forward_backward over its layers' costs; they scale every compute "
-        "cost of a stage): per stage, each rank timing its stages in its process while the others time theirs "
-        "(co-run; `models.<name>.stages` in the JSON), which the prediction uses; one process, the whole model "
-        "(checkpoint always): "
-        + ", ".join(f"{n} {m['costs'].engine:.3f}" for n, m in models.items())
-        + ", times the co-run factor (co-run ÷ alone of the launch's stages, K = "
-        + f"{min(args.ks)}): "
-        + ", ".join(f"{n} {m['costs'].corun:.3f}" for n, m in models.items())
-        + ", which the one-process prediction and Table 2 use.",
-        f"- Measured step: `stage.forward_backward(x, loss per micro-batch, schedule=...)` + RMSprop, median of clean "
-        f"steps (barriers around), checkpoint={args.checkpoint}, the schedules by turns in the same processes.",
-        f"- Rows with K > {cores} usable cores are oversubscribed (stages share cores); 'cores shared' bounds the "
-        f"step by the work spread over {cores} cores: max(predicted, work / {cores}).",
-        "",
-        *[f"- {n}: {m['describe']}" for n, m in models.items()],
-        "",
-        f"## Predicted vs measured, M = {M}",
-        "",
-        report.markdown_table(validation, VALIDATION),
-        "",
-        "## Where they part: a traced step per schedule, measured / predicted ms per rank",
-        "",
-        "forward: F (dropped and kept); recompute: R before a backward; backward: B, or I and W, with the last "
-        "stage's loss; update: RMSprop; other: the rest of the step (waits for a peer, transfers, sends, the status "
-        "check, the engine between actions). One step with the timeline on, after the timed ones.",
-        "",
-        report.markdown_table(parts, PARTS_COLUMNS),
-        "",
-        "Engine factor per stage (co-run; alone) and layers:",
-        "",
-        *[
-            f"- {n}, K = {K}, v = {v}: "
-            + ", ".join(
-                f"stage {row['stage']} {row['layers']} {engines_of(m['costs'], [row], M)[tuple(row['layers'])]:.3f}"
-                f" ({row['corun_s'] / row['alone_s']:.3f} × alone)"
-                for row in rows
-            )
-            for n, m in models.items()
-            for K, by_v in m["stages"].items()
-            for v, rows in by_v.items()
-        ],
-        "",
-        f"## GPipe Table 2 at K ≤ {args.table_k}: predicted from costs measured on {machine}",
-        "",
-        "Not measured: the simulator's step for K processes with a core each, from per-layer costs measured on "
-        "this machine for each micro-batch size (global batch as above, M micro-batches). paper Table 2: the "
-        "paper's GPipe throughput on TPUs, normalized to K=2, M=1, beside ours normalized the same way.",
-        "",
-    ]
-    for name, rows in table.items():
-        md += [f"### {name}: {models[name]['table_model']}", "", report.markdown_table(rows, TABLE2), ""]
+    data["predicted_from"] = f"costs measured on {report.machine_label(data['environment'])}"
+    # The validation is written before Table 2 measures its costs (minutes more), so a run cut off then keeps it.
+    write(data, models, link, args, (snapshot, load_before))
+    data["table2"] = table_2(models, link, args, sizes)
+    data["total_s"] = time.perf_counter() - t_start
+    write(data, models, link, args, (snapshot, load_before))
+
+
+def write(data: dict, models: dict[str, Any], link: Link, args: argparse.Namespace, before: tuple[dict, tuple]) -> None:
+    """The results files from ``data`` as it stands (the models' costs as dicts), and the tables printed."""
+    data["machine_check"], load_line = background_load(*before)
+    data["models"] = {n: {**m, "costs": m["costs"].as_dict()} for n, m in models.items()}
+    md = markdown(data, models, link, args, load_line)
     paths = report.write("schedules", data, "\n".join(md), out_dir=args.out_dir, plot=plot)
     print("\n".join(md))
-    print(f"# wrote {', '.join(paths.values())} ({total:.0f} s)")
+    took = f" ({data['total_s']:.0f} s)" if "total_s" in data else " (the validation; Table 2 follows)"
+    print(f"# wrote {', '.join(paths.values())}{took}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""schedules.py's tables: predicted against measured steps, where they part per rank, Table 2 (predicted)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from benchmarks._lib import report
+from benchmarks._lib.costmodel_ranks import PARTS, engines_of
+from benchmarks._lib.gloo_link import Link
+
+VALIDATION: list[report.Column] = [
+    ("model", "model", ""),
+    ("K", "K", ""),
+    ("M", "M", ""),
+    ("schedule", "schedule", ""),
+    ("balance", "balance", ""),
+    ("predicted_ms", "predicted ms", ".1f"),
+    ("measured_ms", "measured ms (median)", ".1f"),
+    ("ratio", "predicted / measured", ".3f"),
+    ("within", "within 10 %", ""),
+    ("predicted_on_cores_ms", "predicted, cores shared", ".1f"),
+    ("ratio_on_cores", "cores shared / measured", ".3f"),
+    ("one_process_ms", "one-process prediction ms", ".1f"),
+    ("ratio_one_process", "one-process / measured", ".3f"),
+    ("clean_steps", "clean steps", ""),
+    ("note", "note", ""),
+]
+PARTS_COLUMNS: list[report.Column] = [
+    ("model", "model", ""),
+    ("K", "K", ""),
+    ("schedule", "schedule", ""),
+    ("rank", "rank", ""),
+    *[(kind, kind, "") for kind in PARTS],
+    ("step", "step", ""),
+    ("foreign_cores", "other processes (cores)", ".2f"),
+]
+TABLE2: list[report.Column] = [
+    ("model", "model", ""),
+    ("M", "M", ""),
+    ("K", "K", ""),
+    ("schedule", "schedule", ""),
+    ("step_ms", "predicted step ms", ".1f"),
+    ("samples_per_s", "samples/s", ".1f"),
+    ("speedup", "speed-up vs K=1", ".2f"),
+    ("ideal", "ideal K·M/(M+K−1)", ".2f"),
+    ("normalized", "normalized to GPipe K=2, M=1", ".2f"),
+    ("paper", "paper Table 2", ".2f"),
+    ("bubble", "bubble %", ".1f"),
+    ("peak", "peak live per rank", ""),
+    ("note", "note", ""),
+]
+
+
+def markdown(data: dict, models: dict[str, Any], link: Link, args: argparse.Namespace, load_line: str) -> list[str]:
+    """The results' Markdown lines: the setup, the validation, the traced parts, each model's Table 2 (none yet
+    while ``data["table2"]`` is empty: written so after the validation, then again at the end)."""
+    cores, M = data["usable_cores"], args.micro_batches
+    md = [
+        "# Schedules by the simulator as a cost model (predicted vs measured; GPipe Table 2, predicted)",
+        "",
+        *report.environment_lines(data["environment"]),
+        f"- Command: `{data['command']}`; "
+        + (f"total {data['total_s']:.0f} s" if "total_s" in data else "Table 2 not done yet"),
+        f"- {load_line.removeprefix('# ')}; per measurement: `models.<name>.foreign_cores` in the JSON",
+        f"- Costs per layer, measured in one process (1 thread), medians of {args.repeat}: forward (no grad, kept "
+        "under grad, recomputed), backward, zb-h1's split forward, recompute, I and W, RMSprop update; the loss; gloo "
+        f"latency {link.latency * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s (ping-pong fit, 2 processes);"
+        f" a message's host time, the ranks' own, fixed + per tensor: sending {link.send_host[0] * 1e6:.0f} + "
+        f"{link.send_host[1] * 1e6:.0f} µs, receiving an output gradient (posted early, read) "
+        f"{link.recv_host[0] * 1e6:.0f} + {link.recv_host[1] * 1e6:.0f} µs (the transport, 2 processes)."
+        " Step predicted = the last rank's finish in `simulate` (gloo: buffered sends) + the status all-reduce + the "
+        "longest update of a rank (`benchmarks/_lib/costmodel.py`).",
+        "- Engine factors (a one-stage pipeline's forward_backward over its layers' costs; they scale every compute "
+        "cost of a stage): per stage, each rank timing its stages in its process while the others time theirs "
+        "(co-run; `models.<name>.stages` in the JSON), which the prediction uses; one process, the whole model "
+        "(checkpoint always): "
+        + ", ".join(f"{n} {m['costs'].engine:.3f}" for n, m in models.items())
+        + ", times the co-run factor (co-run ÷ alone of the launch's stages, K = "
+        + f"{min(args.ks)}): "
+        + ", ".join(f"{n} {m['costs'].corun:.3f}" for n, m in models.items())
+        + ", which the one-process prediction and Table 2 use.",
+        f"- Measured step: `stage.forward_backward(x, loss per micro-batch, schedule=...)` + RMSprop, median of clean "
+        f"steps (barriers around), checkpoint={args.checkpoint}, the schedules by turns in the same processes.",
+        f"- Rows with K > {cores} usable cores are oversubscribed (stages share cores); 'cores shared' bounds the "
+        f"step by the work spread over {cores} cores: max(predicted, work / {cores}).",
+        "",
+        *[f"- {n}: {m['describe']}" for n, m in models.items()],
+        "",
+        f"## Predicted vs measured, M = {M}",
+        "",
+        report.markdown_table(data["validation"], VALIDATION),
+        "",
+        "## Where they part: a traced step per schedule, measured / predicted ms per rank",
+        "",
+        "forward: F (dropped and kept); recompute: R before a backward; backward: B, or I and W, with the last "
+        "stage's loss; update: RMSprop; other: the rest of the step (waits for a peer, transfers, sends, the status "
+        "check, the engine between actions). One step with the timeline on, after the timed ones.",
+        "",
+        report.markdown_table(data["parts"], PARTS_COLUMNS),
+        "",
+        "Engine factor per stage (co-run; alone) and layers:",
+        "",
+        *[
+            f"- {n}, K = {K}, v = {v}: "
+            + ", ".join(
+                f"stage {row['stage']} {row['layers']} {engines_of(m['costs'], [row], M)[tuple(row['layers'])]:.3f}"
+                f" ({row['corun_s'] / row['alone_s']:.3f} × alone)"
+                for row in rows
+            )
+            for n, m in models.items()
+            for K, by_v in m["stages"].items()
+            for v, rows in by_v.items()
+        ],
+        "",
+    ]
+    if data["table2"]:
+        md += [
+            f"## GPipe Table 2 at K ≤ {args.table_k}: predicted from {data['predicted_from']}",
+            "",
+            "Not measured: the simulator's step for K processes with a core each, from per-layer costs measured on "
+            "this machine for each micro-batch size (global batch as above, M micro-batches). paper Table 2: the "
+            "paper's GPipe throughput on TPUs, normalized to K=2, M=1, beside ours normalized the same way.",
+            "",
+        ]
+    for name, rows in data["table2"].items():
+        md += [f"### {name}: {models[name]['table_model']}", "", report.markdown_table(rows, TABLE2), ""]
+    return md
