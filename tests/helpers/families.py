@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,14 @@ def _torchvision() -> dict[str, nn.Module]:
 def _loss(self: Any, batch: Any) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(self.model(x.double()), y)
+
+
+def family_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative to the tensor's scale, at least 1e-3: a running mean that is zero up to rounding (after a layer whose
+    output has zero mean) would otherwise compare its rounding noise with itself."""
+    if not got.is_floating_point():
+        return float(not torch.equal(got, want))
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-3)).item()
 
 
 # The backbone is the model's own nn.Sequential of stages or blocks, named by its dotted path: the model's forward
@@ -63,3 +72,39 @@ for _spec in FAMILIES.values():
     _spec.update(
         build=lambda build=_spec["build"]: {k: m.double() for k, m in build().items()}, loss=_loss, data="images32"
     )
+
+
+# Each family split around its backbone as its library's forward runs it (features → backbone → head), so that the loss
+# runs inside the pipeline, per micro-batch, which zb-h1 and interleaving need; tests/strategy/test_family_schedules.py
+# checks that head(backbone(features(x))) is the model's forward, bit for bit.
+_FEATURES: dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
+    "timm_convnext": lambda m, x: m.stem(x),
+    "timm_swin": lambda m, x: m.patch_embed(x),
+    "timm_mixer": lambda m, x: m.stem(x),
+    "timm_mobilenetv3": lambda m, x: m.bn1(m.conv_stem(x)),
+    "torchvision_mobilenetv3": lambda m, x: x,
+}
+_HEADS: dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
+    "timm_convnext": lambda m, out: m.forward_head(m.norm_pre(out)),
+    "timm_swin": lambda m, out: m.forward_head(m.norm(out)),
+    "timm_mixer": lambda m, out: m.forward_head(m.norm(out)),
+    "timm_mobilenetv3": lambda m, out: m.forward_head(out),
+    "torchvision_mobilenetv3": lambda m, out: m.classifier(torch.flatten(m.avgpool(out), 1)),
+}
+
+
+def split_forward(name: str) -> tuple[Callable, Callable]:
+    """Family ``name``'s forward before its backbone and after it, on the model: (features(m, x), head(m, out))."""
+    return _FEATURES[name], _HEADS[name]
+
+
+def _inside(name: str) -> dict[str, Any]:
+    features, head = split_forward(name)
+    return {
+        "features": lambda self, x: features(self.model, x.double()),
+        "head": lambda self, out, batch: F.cross_entropy(head(self.model, out), batch[1]),
+    }
+
+
+# The same families with the loss inside the pipeline (the plain run's loss is still the whole model's forward).
+INSIDE: dict[str, dict[str, Any]] = {name: {**spec, "hooks": _inside(name)} for name, spec in FAMILIES.items()}

@@ -28,10 +28,16 @@ def error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------ modules
-def habit_module(build: Callable[[], dict[str, nn.Module]], loss: Callable, opt: str = "sgd", **hooks: Any):
+def habit_module(
+    build: Callable[[], dict[str, nn.Module]],
+    loss: Callable,
+    opt: str = "sgd",
+    backbone: str = "vit.blocks",
+    **hooks: Any,
+):
     """A LightningModule holding ``build()``'s submodules; ``loss(self, batch)`` is its training loss, or with hooks
-    ``features`` and ``head`` the loss is ``self.pipeline_loss(self.backbone(features(self, x)), batch)``, which
-    GPipeStrategy runs inside the pipeline (``loss`` stays the plain run's)."""
+    ``features`` and ``head`` the loss is ``self.pipeline_loss(backbone(features(self, x)), batch)`` (``backbone``:
+    the submodule's dotted path), which GPipeStrategy runs inside the pipeline (``loss`` stays the plain run's)."""
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
@@ -45,7 +51,7 @@ def habit_module(build: Callable[[], dict[str, nn.Module]], loss: Callable, opt:
             if "before_step" in hooks:
                 hooks["before_step"](self, self.global_step)
             if "head" in hooks:
-                value = self.pipeline_loss(self.vit.blocks(hooks["features"](self, batch[0])), batch)
+                value = self.pipeline_loss(self.get_submodule(backbone)(hooks["features"](self, batch[0])), batch)
             else:
                 value = loss(self, batch)
             self.log("train_loss", value)
@@ -217,7 +223,9 @@ def scenario_data(kind: str, n: int = 64) -> TensorDataset:  # 4 steps of 8 on e
 
 
 def make_module(spec: dict[str, Any]) -> Any:
-    return habit_module(spec["build"], spec["loss"], spec.get("opt", "sgd"), **spec.get("hooks", {}))
+    return habit_module(
+        spec["build"], spec["loss"], spec.get("opt", "sgd"), spec.get("path", "vit.blocks"), **spec.get("hooks", {})
+    )
 
 
 def plain_run(spec: dict[str, Any], dp: int) -> Any:

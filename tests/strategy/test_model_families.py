@@ -14,19 +14,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.helpers.families import FAMILIES
+from tests.helpers.families import FAMILIES, family_error
 from tests.helpers.habits_modules import BATCH, STEPS, make_module, plain_run, scenario_data
 from tests.helpers.launch import quiet_trainer, run_distributed
 
 TOL = 1e-10  # float64
-
-
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Relative to the tensor's scale, at least 1e-3: a running mean that is zero up to rounding (after a layer whose
-    output has zero mean) would otherwise compare its rounding noise with itself."""
-    if not got.is_floating_point():
-        return float(not torch.equal(got, want))
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-3)).item()
 
 
 def fit_all(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
@@ -43,14 +35,14 @@ def fit_all(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
         trainer.save_checkpoint(ckpt)
         want = plain_run(spec, 1).state_dict()
         got = module.state_dict()
-        errors = {k: _error(v, want[k]) for k, v in got.items()}
+        errors = {k: family_error(v, want[k]) for k, v in got.items()}
         held = sum(p.numel() for p in strategy.stage.parameters())
         whole = sum(p.numel() for p in spec["build"]()["model"].get_submodule(spec["path"][6:]).parameters())
         result: dict[str, Any] = {"errors": errors, "held": held, "whole": whole}
         if trainer.is_global_zero:
             saved = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
             result["file_keys"] = sorted(saved) == sorted(want)
-            result["file_error"] = max(_error(v, want[k]) for k, v in saved.items())
+            result["file_error"] = max(family_error(v, want[k]) for k, v in saved.items())
         out[name] = result
     return out
 
@@ -67,4 +59,4 @@ def test_model_families_train_as_the_plain_run(tmp_path: Any) -> None:
         assert results[0][name]["file_keys"] and results[0][name]["file_error"] <= TOL, (name, results[0][name])
         moved = plain_run(FAMILIES[name], 1).state_dict()
         initial = make_module(FAMILIES[name]).state_dict()
-        assert max(_error(moved[k], v) for k, v in initial.items()) > 1e-3, name  # the run changed the weights
+        assert max(family_error(moved[k], v) for k, v in initial.items()) > 1e-3, name  # the run changed the weights
