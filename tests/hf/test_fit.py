@@ -26,12 +26,20 @@ STEPS, TOL = 4, 1e-9
 
 
 def pipelined_worker(
-    rank: int, world_size: int, folder: str, save_to: str, pp: int, steps: int, chunks: int = 4
+    rank: int,
+    world_size: int,
+    folder: str,
+    save_to: str,
+    pp: int,
+    steps: int,
+    chunks: int = 4,
+    schedule: str = "gpipe",
 ) -> float:
     from lightning_gpipe import GPipeStrategy
 
     warnings.simplefilter("ignore")
-    strategy = GPipeStrategy(chunks=chunks, pipeline_parallel_size=pp)
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    strategy = GPipeStrategy(chunks=chunks, pipeline_parallel_size=pp, schedule=schedule, virtual_stages=v)
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=steps, precision="64-true")
     data = batches(steps * (world_size // pp))
     trainer.fit(PipelinedLM(folder, save_to), DataLoader(data, batch_size=None))
@@ -82,12 +90,17 @@ def torch_initial(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_k2_equals_the_plain_hf_model(family: str, tmp_path: Path) -> None:
-    """K = 2, M = 4: pretrained folder in, AdamW on padded batches of a new length every step, HF folder out."""
+@pytest.mark.parametrize(
+    "family, schedule",
+    [("llama", "gpipe"), ("gpt2", "gpipe"), ("llama", "zb-h1"), ("llama", "interleaved-1f1b"), ("gpt2", "zb-h1")],
+)
+def test_k2_equals_the_plain_hf_model(family: str, schedule: str, tmp_path: Path) -> None:
+    """K = 2, M = 4: pretrained folder in, AdamW on padded batches of a new length every step, HF folder out; under
+    zb-h1 (Llama's linears and embedding split; GPT-2's head, tied across the stages, too) and interleaving (v = 2)."""
     save_model(family, tmp_path / "pretrained")
+    out = str(tmp_path / "out")
     losses = run_distributed(
-        pipelined_worker, 2, str(tmp_path / "pretrained"), str(tmp_path / "out"), 2, STEPS, timeout=180, lightning=True
+        pipelined_worker, 2, str(tmp_path / "pretrained"), out, 2, STEPS, 4, schedule, timeout=180, lightning=True
     )
     assert losses[0] == losses[1]
     # One shard per stage; a tied head (GPT-2's) is saved once, as the embedding, as HF saves it.
