@@ -17,6 +17,11 @@ why no public API does it:
 - ``forward_hooks_always_called``: ``Module._forward_hooks_always_called``, where
   ``register_forward_hook(always_call=True)`` records its hooks; removing such a hook by its key must clear it too.
 
+- ``accumulate_grads``: ``torch.autograd.graph._engine_run_backward``, the autograd engine's run that
+  ``torch.autograd.backward`` ends in, without its Python pass over each (tensor, gradient) pair first (a zb-h1 W
+  action hands it every weight of the stage, once per micro-batch); the engine still checks each gradient's shape,
+  dtype and device. ``torch.autograd.backward`` has no way to skip that pass.
+
 Not counted, and pinned by the same test: ``Module._modules``, ``_parameters``, ``_buffers``, ``_forward_pre_hooks``
 and ``_forward_hooks``, the dicts every ``nn.Module`` method reads and writes (replacing a layer or a buffer under its
 name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_coalesced`` is the strategy's, in
@@ -25,15 +30,18 @@ name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import _engine_run_backward
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 __all__ = [
     "BatchNormBase",
+    "accumulate_grads",
     "forward_hooks_always_called",
     "keystr",
     "profiler_enabled",
@@ -64,3 +72,9 @@ def storage_key(t: torch.Tensor) -> int:
 def forward_hooks_always_called(module: nn.Module) -> dict[int, Any]:
     """The keys of ``module``'s forward hooks registered with ``always_call=True``."""
     return module._forward_hooks_always_called
+
+
+def accumulate_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """``torch.autograd.backward(leaves, grads)`` for leaves and gradients of their shapes: into ``.grad`` as autograd
+    accumulates, their hooks fired."""
+    _engine_run_backward(tuple(leaves), tuple(grads), False, False, (), True, True)

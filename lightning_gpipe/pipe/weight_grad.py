@@ -2,9 +2,9 @@
 
 As Megatron-LM's and DualPipe's ``WeightGradStore``: while a micro-batch of a split schedule ("zb-h1") runs forward
 (or is recomputed), the split ops (``split_ops``) compute each op's input gradient in I and keep (input, output
-gradient) in a closure for micro-batch m; W m runs m's closures and accumulates the results with
-``torch.autograd.backward`` on the parameters themselves, so that ``.grad`` sums exactly as autograd sums it and the
-parameters' hooks fire once, at W.
+gradient) in a closure for micro-batch m; W m runs m's closures and accumulates the results with the autograd
+engine (``torch.autograd.backward``'s) on the parameters themselves, so that ``.grad`` sums exactly as autograd sums
+it and the parameters' hooks fire once, at W.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_gpipe.pipe._torch_internals import accumulate_grads
 from lightning_gpipe.pipe.split_ops import Closure, Deferring, trainable_leaf
 
 
@@ -33,8 +34,8 @@ class WeightGrads:
 
     def __init__(self, layers: nn.Module) -> None:
         self._pending: dict[int, list[Closure]] = {}
-        self._sink: list[Closure] | None = None
-        self._mode: Deferring | None = None
+        self._current: Deferring | None = None  # the mode of the micro-batch in progress, entered in each module
+        self._mode: Deferring | None = None  # it, while entered
         self._entered: list[bool] = []  # per module call in progress: whether it entered the mode
         self._handles: list[RemovableHandle] = []
         for module in layers.modules():
@@ -49,12 +50,11 @@ class WeightGrads:
         self._handles = []
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        enter = self._sink is not None and self._mode is None
-        if enter:
-            assert self._sink is not None
-            self._mode = Deferring(self._sink)
-            self._mode.__enter__()
-        self._entered.append(enter)
+        mode = self._current if self._mode is None else None  # entered once, in the outermost module holding weights
+        if mode is not None:
+            self._mode = mode
+            mode.__enter__()
+        self._entered.append(mode is not None)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._entered and self._entered.pop() and self._mode is not None:
@@ -66,11 +66,11 @@ class WeightGrads:
         """Around micro-batch m's forward and its recompute: the split ops' weight gradients wait for :meth:`run`."""
         sink: list[Closure] = []
         self._pending[m] = sink  # a recompute's graph replaces the forward's (whose backward never runs)
-        self._sink = sink
+        self._current = Deferring(sink)
         try:
             yield
         finally:
-            self._sink = None
+            self._current = None
 
     def run(self, m: int) -> None:
         """W m: micro-batch m's weight gradients into ``.grad``, as autograd accumulates them (hooks included)."""
@@ -83,4 +83,4 @@ class WeightGrads:
         if grads:
             params, values = [p for p, _ in grads.values()], [g.to(p.dtype) for p, g in grads.values()]
             grads.clear()
-            torch.autograd.backward(params, values)
+            accumulate_grads(params, values)

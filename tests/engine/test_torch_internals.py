@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,6 +85,21 @@ def test_always_called_hooks_are_recorded_by_key() -> None:
     assert handle.id in internals.forward_hooks_always_called(layer) and handle.id in layer._forward_hooks
     handle.remove()
     assert handle.id not in internals.forward_hooks_always_called(layer)
+
+
+def test_accumulate_grads_is_autograds_backward_on_leaves() -> None:
+    """Into ``.grad`` (set, then summed) with the parameters' hooks fired, as ``torch.autograd.backward``; a
+    gradient of the wrong shape is refused by the engine itself."""
+    p, q = nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(4))
+    seen = []
+    p.register_post_accumulate_grad_hook(lambda t: seen.append("p"))
+    q.register_hook(lambda g: seen.append("q") or g * 2)
+    internals.accumulate_grads([p, q], [torch.ones(2, 3), torch.ones(4)])
+    internals.accumulate_grads([p], [torch.full((2, 3), 2.0)])
+    assert torch.equal(p.grad, torch.full((2, 3), 3.0)) and torch.equal(q.grad, torch.full((4,), 2.0))
+    assert sorted(seen) == ["p", "p", "q"]
+    with pytest.raises(RuntimeError, match="shape"):
+        internals.accumulate_grads([p], [torch.ones(3, 2)])
 
 
 def test_module_slots_are_the_dicts_module_methods_use() -> None:
