@@ -123,8 +123,10 @@ def test_pp2_dp2_equals_ddp_over_the_replicas(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(250)
-def test_dropout_k2_equals_k1(tmp_path: Path) -> None:
-    """GPT-2 with dropout in its embedding, attention and residuals: K = 2 trains the same weights as K = 1."""
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "interleaved-1f1b"])
+def test_dropout_k2_equals_k1(schedule: str, tmp_path: Path) -> None:
+    """GPT-2 with dropout in its embedding, attention and residuals: K = 2 trains the same weights as K = 1 (GPipe),
+    under every schedule: the recompute and the split replay the same dropout masks, in any layout."""
     save_model("gpt2", tmp_path / "pretrained", dropout=0.1)
     for k in (1, 2):
         run_distributed(
@@ -134,6 +136,8 @@ def test_dropout_k2_equals_k1(tmp_path: Path) -> None:
             str(tmp_path / f"k{k}"),
             k,
             3,
+            4,
+            schedule if k == 2 else "gpipe",
             timeout=120,
             lightning=True,
         )
