@@ -101,9 +101,11 @@ def quietly(fn: Callable[[], Any], args: argparse.Namespace) -> tuple[Any, float
 
 
 def costs_of(name: str, s: dict[str, Any], M: int, args: argparse.Namespace) -> tuple[LayerCosts, float]:
-    """Per-layer costs of the model on one of M micro-batches of its global batch; the foreign load meanwhile."""
+    """Per-layer costs of the model on one of M micro-batches of its global batch; the foreign load meanwhile. zb-h1's
+    split halves with the ops that split at the smallest validated K (``weight_grad.split_pays``)."""
     x, target = make_batch(name, s, s["batch"] // M)
-    return quietly(lambda: profile(build(name, s), x, lambda y: loss_fn(y, target), repeat=args.repeat), args)
+    lc = partial(profile, build(name, s), x, lambda y: loss_fn(y, target), repeat=args.repeat)
+    return quietly(lambda: lc(split_shape=(min(args.ks), M)), args)
 
 
 # A one-stage pipeline runs "always" for the engine factor: a middle stage's dropped forwards, recomputes and backwards

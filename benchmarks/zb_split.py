@@ -2,11 +2,12 @@
 
 # At K = 2 only the last rank splits its backwards ("zb-h1" fuses I and W where nobody waits for the input gradient),
 # so its step is that rank's F + I + W per micro-batch where 1F1B's is F + B. One process, one thread: the last
-# stage's layers of overhead.py's K = 2 balance, one micro-batch (batch / M samples), the plain and the split pass
-# alternating round by round; gradients accumulate as in micro-batches 1 … M−1 of a step. Profiled rounds of each,
-# alternating, give the matrix products' time (aten::mm, the convolutions' backward): the same products, in I and W or
-# in B. `python -m benchmarks.zb_split` (about 1 min on 2 cores; `--smoke`: small models, seconds; `--out-dir DIR`);
-# results in benchmarks/README.md.
+# stage's layers of overhead.py's K = 2 balance, one micro-batch (batch / M samples), three passes alternating round
+# by round (their order too): plain; split as the engine splits at K = 2 and M (only the ops whose W pays for the
+# split, ``weight_grad.split_pays``); and every op split. Gradients accumulate as in micro-batches 1 … M−1 of a step.
+# Profiled rounds of each, alternating, give the matrix products' time (aten::mm, the convolutions' backward): the
+# same products, in I and W or in B. `python -m benchmarks.zb_split` (about 2 min on 2 cores; `--smoke`: small
+# models, seconds; `--out-dir DIR`); results in benchmarks/README.md.
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ PRODUCTS = ("aten::mm", "aten::addmm", "aten::convolution_backward")
 Pass = Callable[[], dict[str, float]]
 
 
-def _passes(name: str, s: dict[str, Any], M: int) -> tuple[list[int], Pass, Pass]:
-    """The last stage's layers at K = 2 and two passes of one micro-batch through them: plain and split."""
+def _passes(name: str, s: dict[str, Any], M: int) -> tuple[list[int], Pass, Callable[..., tuple[Pass, WeightGrads]]]:
+    """The last stage's layers at K = 2 and passes of one micro-batch through them: plain, and split with the ops
+    that split at ``shape`` = (K, M) (None: every op)."""
     balance = workloads.balances(name, s, [2], "time", last_stage_scale=0.75)["balance"][2]
     model = convert_deferred_batch_norm(workloads.build(name, s))
     x, target = workloads.make_batch(name, s, s["batch"] // M)
@@ -38,7 +40,6 @@ def _passes(name: str, s: dict[str, Any], M: int) -> tuple[list[int], Pass, Pass
     leaves = h if isinstance(h, tuple) else (h,)
     h = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in leaves)
     inputs = h if len(h) > 1 else h[0]
-    split = WeightGrads(last)  # once per step in the engine
 
     def forward() -> torch.Tensor:
         with deferred_statistics():
@@ -51,17 +52,22 @@ def _passes(name: str, s: dict[str, Any], M: int) -> tuple[list[int], Pass, Pass
         loss.backward()
         return {"F": t1 - t0, "B": time.perf_counter() - t1}
 
-    def halves() -> dict[str, float]:
-        t0 = time.perf_counter()
-        with split.deferring(0):
-            loss = forward()
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        split.run(0)
-        return {"F": t1 - t0, "I": t2 - t1, "W": time.perf_counter() - t2}
+    def split(shape: tuple[int, int] | None) -> tuple[Pass, WeightGrads]:
+        weights = WeightGrads(last, shape)  # once per step in the engine: its first pass decides which ops split
 
-    return balance, plain, halves
+        def halves() -> dict[str, float]:
+            t0 = time.perf_counter()
+            with weights.deferring(0):
+                loss = forward()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            weights.run(0)
+            return {"F": t1 - t0, "I": t2 - t1, "W": time.perf_counter() - t2}
+
+        return halves, weights
+
+    return balance, plain, split
 
 
 def _products_ms(run: Pass) -> float:
@@ -73,43 +79,42 @@ def _products_ms(run: Pass) -> float:
 
 def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int) -> dict[str, Any]:
     torch.manual_seed(workloads.SEED)
-    balance, plain, halves = _passes(name, s, M)
-    times: dict[str, list[dict[str, float]]] = {"plain": [], "split": []}
+    balance, plain, split = _passes(name, s, M)
+    (pays, weights), (every, _) = split((2, M)), split(None)
+    passes = {"plain": plain, "split": pays, "every": every}
+    times: dict[str, list[dict[str, float]]] = {key: [] for key in passes}
     for r in range(warmup + rounds):
-        for key, run in (("plain", plain), ("split", halves)):
-            t = run()
+        for key in passes if r % 2 else reversed(passes):  # the VM's speed drifts: alternate, and the order too
+            t = passes[key]()
             if r >= warmup:
                 times[key].append(t)
 
     def median(key: str, part: str) -> float:
         return statistics.median(t[part] for t in times[key]) * 1e3
 
-    products: dict[str, list[float]] = {"plain": [], "split": []}
-    for _ in range(max(rounds // 3, 2)):  # alternating too: the VM's speed drifts
-        products["plain"].append(_products_ms(plain))
-        products["split"].append(_products_ms(halves))
-    return {
-        "model": name,
-        "layers": f"{balance[0]}–{sum(balance) - 1} of {sum(balance)}",
-        "plain_F": median("plain", "F"),
-        "plain_B": median("plain", "B"),
-        "split_F": median("split", "F"),
-        "split_I": median("split", "I"),
-        "split_W": median("split", "W"),
-        "paired": statistics.median(sum(b.values()) / sum(a.values()) for a, b in zip(times["plain"], times["split"])),
-        "products_plain_ms": statistics.median(products["plain"]),
-        "products_split_ms": statistics.median(products["split"]),
-        "products_ratio": statistics.median(s / p for p, s in zip(products["plain"], products["split"])),
-        "rounds": rounds,
-        "raw": times,
-        "raw_products_ms": products,
-    }
+    def paired(key: str) -> float:
+        return statistics.median(sum(b.values()) / sum(a.values()) for a, b in zip(times["plain"], times[key]))
+
+    products: dict[str, list[float]] = {key: [] for key in passes}
+    for _ in range(max(rounds // 3, 2)):
+        for key, run in passes.items():
+            products[key].append(_products_ms(run))
+    split_weights, met = weights.decided
+    row: dict[str, Any] = {"model": name, "layers": f"{balance[0]}–{sum(balance) - 1} of {sum(balance)}"}
+    row |= {"plain_F": median("plain", "F"), "plain_B": median("plain", "B")}
+    for key in ("split", "every"):
+        row |= {f"{key}_{part}": median(key, part) for part in "FIW"}
+        row[f"{key}_paired"] = paired(key)
+        row[f"{key}_products"] = statistics.median(b / a for a, b in zip(products["plain"], products[key]))
+    return row | {"weights": f"{split_weights} of {met}", "rounds": rounds, "raw": times, "raw_products_ms": products}
 
 
 COLUMNS = report.columns(
-    "model|model|; layers|last stage's layers (K = 2)|; plain_F|plain F ms|.1f; plain_B|plain B ms|.1f;"
-    " split_F|split F ms|.1f; split_I|I ms|.1f; split_W|W ms|.1f; paired|(F + I + W) ÷ (F + B), paired|.3f;"
-    " products_ratio|matrix products' time, split ÷ plain|.2f; rounds|rounds|"
+    "model|model|; layers|last stage's layers (K = 2)|; weights|weights split (K = 2, M = 8)|;"
+    " plain_F|plain F ms|.1f; plain_B|plain B ms|.1f; split_F|split F ms|.1f; split_I|I ms|.1f; split_W|W ms|.1f;"
+    " split_paired|(F + I + W) ÷ (F + B), paired|.3f; split_products|matrix products, split ÷ plain|.2f;"
+    " every_F|every op split: F ms|.1f; every_I|I ms|.1f; every_W|W ms|.1f;"
+    " every_paired|(F + I + W) ÷ (F + B), paired|.3f; every_products|matrix products, ÷ plain|.2f; rounds|rounds|"
 )
 
 
@@ -130,16 +135,18 @@ def main() -> None:
         row = measure(name, sizes[name], args.micro_batches, rounds, warmup)
         rows.append(row)
         print(
-            f"{name}: F + B {row['plain_F']:.1f} + {row['plain_B']:.1f} ms, split F + I + W {row['split_F']:.1f} + "
-            f"{row['split_I']:.1f} + {row['split_W']:.1f} ms, paired {row['paired']:.3f}; matrix products "
-            f"{row['products_split_ms']:.1f} vs {row['products_plain_ms']:.1f} ms"
+            f"{name}: F + B {row['plain_F']:.1f} + {row['plain_B']:.1f} ms; weights split {row['weights']}: F + I + W "
+            f"{row['split_F']:.1f} + {row['split_I']:.1f} + {row['split_W']:.1f} ms, paired {row['split_paired']:.3f}; "
+            f"every op split: {row['every_F']:.1f} + {row['every_I']:.1f} + {row['every_W']:.1f} ms, paired "
+            f"{row['every_paired']:.3f}"
         )
     command = report.command_line("zb_split")
     md = ["# zb-h1's split on the last stage: one micro-batch, F + B vs F + I + W", ""]
     md += [*report.environment_lines(env), f"- Command: `{command}`"]
     md += [
-        f"- M = {args.micro_batches}: one micro-batch of batch / M samples; {rounds} rounds, the two passes "
-        "alternating; medians; the matrix products' self time from torch's profiler in a third as many rounds, "
+        f"- M = {args.micro_batches}: one micro-batch of batch / M samples; {rounds} rounds, the three passes "
+        "alternating (plain; split where it pays at K = 2, as the engine splits; every op split); medians; the "
+        "matrix products' self time from torch's profiler in a third as many rounds, "
         "alternating too (the paired ratio's median)",
         "",
         report.markdown_table(rows, COLUMNS),

@@ -10,7 +10,8 @@
 #   B: the backward from the output gradient. On a rank whose actions hold W's ("zb-h1" past rank 0: ``fuse_halves``
 #      fuses the others), its forward and recompute run under ``weight_grad.WeightGrads``' deferring mode and its
 #      backward splits into I (the input gradient, the weight gradients deferred) and W (their closures), all four
-#      timed so. On the last stage B and I begin with the loss of the micro-batch (its forward and backward).
+#      timed so, with the ops that split at the validated K and M (``weight_grad.split_pays``). On the last stage B
+#      and I begin with the loss of the micro-batch (its forward and backward).
 #   transfer: a gloo send → receive of the stage's output (its header, then each tensor), from a latency + bytes /
 #      bandwidth fit of ping-pongs between two processes (``fit_link``); grad_transfer: its input gradient's.
 #   send_host, grad_send_host, recv_host: what a message costs its two ranks' own time, beside the link's: posting
@@ -120,8 +121,11 @@ KINDS: tuple[str, ...] = ("forward", "kept", "recompute", "backward", "update")
 KINDS += ("split_kept", "split_recompute", "split_input", "split_weight")
 
 
-def _layer_times(layer: nn.Module, x: Any, optimizer: torch.optim.Optimizer | None) -> tuple[list[float], Any]:
-    """One run of every kind in ``KINDS`` on ``layer`` (its gradients cleared after); and its output."""
+def _layer_times(
+    layer: nn.Module, x: Any, optimizer: torch.optim.Optimizer | None, split_shape: tuple[int, int] | None
+) -> tuple[list[float], Any]:
+    """One run of every kind in ``KINDS`` on ``layer`` (its gradients cleared after); and its output. The split
+    kinds with the ops that split at ``split_shape`` = (K, M) (``weight_grad.split_pays``; None: every op)."""
 
     def graph(*modes: Any) -> tuple[float, list[torch.Tensor]]:
         inputs = tree_map(_leaf, x)
@@ -138,8 +142,10 @@ def _layer_times(layer: nn.Module, x: Any, optimizer: torch.optim.Optimizer | No
     outs = _grad_outputs(out)
     grads = [torch.ones_like(t) for t in outs]
     t_b, _ = _clock(lambda: torch.autograd.backward(outs, grads) if outs else None)
-    split = WeightGrads(layer)
+    split = WeightGrads(layer, split_shape)
     try:
+        with split.deferring(2):  # the step's first split forward decides which ops split: a step pays it once
+            graph()
         with split.deferring(1):
             t_sr, _ = graph(recomputing())
         with split.deferring(0):
@@ -160,8 +166,17 @@ def _layer_times(layer: nn.Module, x: Any, optimizer: torch.optim.Optimizer | No
     return [t_f, t_k, t_r, t_b, t_u, t_sk, t_sr, t_si, t_sw], out
 
 
-def profile_layers(model: nn.Sequential, sample: Any, loss: Any, *, repeat: int = 5, warmup: int = 1) -> LayerCosts:
-    """Time each layer of ``model`` on ``sample`` (one micro-batch), fed through the preceding layers.
+def profile_layers(
+    model: nn.Sequential,
+    sample: Any,
+    loss: Any,
+    *,
+    repeat: int = 5,
+    warmup: int = 1,
+    split_shape: tuple[int, int] | None = None,
+) -> LayerCosts:
+    """Time each layer of ``model`` on ``sample`` (one micro-batch), fed through the preceding layers; zb-h1's split
+    halves with the ops that split at ``split_shape`` = (K, M) (None: every op).
 
     ``loss(output)``: the last stage's loss of the micro-batch. Its BatchNorm layers become deferred, as in a stage
     (``convert_deferred_batch_norm``, in place: profile a copy), timed inside ``deferred_statistics``.
@@ -175,7 +190,7 @@ def profile_layers(model: nn.Sequential, sample: Any, loss: Any, *, repeat: int 
     for layer in model:
         params = [p for p in layer.parameters() if p.requires_grad]
         optimizer = torch.optim.RMSprop(params, lr=1e-9) if params else None
-        runs = [_layer_times(layer, x, optimizer) for _ in range(warmup + repeat)][warmup:]
+        runs = [_layer_times(layer, x, optimizer, split_shape) for _ in range(warmup + repeat)][warmup:]
         for i, key in enumerate(KINDS):
             medians[key].append(statistics.median(times[i] for times, _ in runs))
         out = runs[-1][1]

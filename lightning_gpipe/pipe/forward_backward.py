@@ -124,7 +124,7 @@ def forward_backward(
                     if m == 0:
                         check_replicas_run_the_same_m(s.layers, M, s.device)
                         if any(a.kind == "W" for a in ops):
-                            weights[c] = split = WeightGrads(s.layers)
+                            weights[c] = split = WeightGrads(s.layers, (K, M))
                             hooks.callback(split.close)
                     keep = keeps_graph(s.checkpoint, ops, m, c)
                     s.forward_micro(step, x, m, M, n, not keep, could_require[c], weights[c])

@@ -15,6 +15,7 @@ precision), and the deferred matmuls use those casts, as autograd's would.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -271,12 +272,24 @@ def _bind(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) ->
     return values[: len(names)]
 
 
-class Deferring(TorchFunctionMode):
-    """Routes the ops this module splits, while grad is on and their weight is a trainable leaf; the rest as is."""
+# Decides, per weight, whether its ops defer their weight gradients: (weight, W's multiply-adds per call,
+# whether the op is a convolution) -> bool. The split ops call it before routing an op.
+Decide = Callable[[torch.Tensor, float, bool], bool]
 
-    def __init__(self, sink: list[Closure]) -> None:
+
+def _always(weight: torch.Tensor, flops: float, conv: bool) -> bool:
+    return True
+
+
+class Deferring(TorchFunctionMode):
+    """Routes the ops this module splits, while grad is on and their weight is a trainable leaf that ``decide``
+    defers; the rest as is. ``routed`` counts the ops routed."""
+
+    def __init__(self, sink: list[Closure], decide: Decide = _always) -> None:
         super().__init__()
         self.sink = sink
+        self.decide = decide
+        self.routed = 0
         self._anchors: dict[torch.device, torch.Tensor] = {}
 
     def _anchor(self, x: torch.Tensor, always: bool = False) -> torch.Tensor | None:
@@ -297,7 +310,9 @@ class Deferring(TorchFunctionMode):
                     and (b is None or trainable_leaf(b))
                     and isinstance(x, torch.Tensor)
                     and x.dim() >= 2  # a vector input runs as a matrix-vector product
+                    and self.decide(w, 2.0 * x.numel() / max(1, x.shape[-1]) * w.numel(), False)
                 ):
+                    self.routed += 1
                     dtype = _autocast_dtype(x.device.type)
                     if x.requires_grad and (x.dim() == 2 or x.is_contiguous()):
                         return _linear_hooked(x, w, b, self.sink, dtype)
@@ -311,7 +326,9 @@ class Deferring(TorchFunctionMode):
                     and isinstance(x, torch.Tensor)
                     and x.dim() == w.dim()  # batched input (convolution_backward's shapes)
                     and not isinstance(geometry[1], str)  # padding="same" pads unevenly outside convolution
+                    and self.decide(w, _conv_weight_flops(x, w, geometry[0]), True)
                 ):
+                    self.routed += 1
                     dtype = _autocast_dtype(x.device.type)
                     if x.requires_grad:
                         return _conv_hooked(x, w, b, self.sink, dtype, func, tuple(geometry))
@@ -328,7 +345,9 @@ class Deferring(TorchFunctionMode):
                     and not sparse
                     and isinstance(ids, torch.Tensor)
                     and (padding_idx is None or -w.shape[0] <= padding_idx < w.shape[0])  # else F.embedding raises
+                    and self.decide(w, float(ids.numel() * w.shape[-1]), False)
                 ):
+                    self.routed += 1
                     if padding_idx is None:
                         padding_idx = -1
                     elif padding_idx < 0:
@@ -336,3 +355,10 @@ class Deferring(TorchFunctionMode):
                     embedding = (w, self.sink, padding_idx, bool(scale))
                     return _Embedding.apply(ids, self._anchor(w, always=True), embedding)
         return func(*args, **kwargs)
+
+
+def _conv_weight_flops(x: torch.Tensor, w: torch.Tensor, stride: Any) -> float:
+    """About the multiply-adds of a convolution's weight gradient: 2 per weight element and output position."""
+    d = w.dim() - 2
+    positions = x[0, 0].numel() / max(1, math.prod(_as_list(stride, d)))
+    return 2.0 * x.shape[0] * positions * w.numel()

@@ -10,6 +10,7 @@ it and the parameters' hooks fire once, at W.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,28 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_gpipe.pipe._torch_internals import accumulate_grads
 from lightning_gpipe.pipe.split_ops import Closure, Deferring, trainable_leaf
+
+# What a split op costs its rank beyond its products on the CPU, in the multiply-adds a product does in that time on
+# one thread: the routing, the hooks, the kept tensors and W's closure take about 0.1 ms a linear there, a 6 MFLOP
+# product's time on a core of the benchmarks' machines (benchmarks/README.md, "zb-h1's split").
+HOST_FLOPS = 6e6
+# A convolution's halves computed apart take about 0.2 of its backward more on the CPU, where oneDNN's one call
+# shares work between them: 0.4 of its W.
+CONV_EXTRA = 0.4
+# Set (to anything but "" or "0"), every op splits, paying or not: the tests' way to run the split on tiny models.
+SPLIT_EVERY_OP = "LIGHTNING_GPIPE_SPLIT_EVERY_OP"
+
+
+def split_pays(flops: float, conv: bool, device: torch.device, K: int, M: int) -> bool:
+    """Whether deferring one op's weight gradient (W, ``flops`` multiply-adds a micro-batch) shortens a zb-h1 step
+    on K ranks and M micro-batches. Moving time t out of every I of the ranks that split shortens the step by
+    2(K − 1)·t (the simulated step is linear in it, see ``tests/engine/test_schedules.py``), while those ranks pay
+    the split's host work on each of their M micro-batches. On a GPU the host runs ahead of the device, so every op
+    splits; on the CPU an op splits when its W outweighs that cost (a convolution's, its dearer halves too)."""
+    if device.type != "cpu" or os.environ.get(SPLIT_EVERY_OP, "") not in ("", "0"):
+        return True
+    t_w = flops / torch.get_num_threads()  # in one-thread multiply-adds, as HOST_FLOPS
+    return t_w * (2 * (K - 1) - M * CONV_EXTRA * conv) > M * HOST_FLOPS
 
 
 class WeightGrads:
@@ -30,34 +53,61 @@ class WeightGrads:
     attention's arithmetic, containers) do not pay; an op the mode does not see runs as written, its gradients in I.
     Their hooks (entering it after the module's own pre-hooks, leaving it before its own hooks, so that modes those
     enter nest) live until :meth:`close`, for one step.
+
+    With ``shape=(K, M)`` an op defers its W only where that pays (:func:`split_pays`), decided per weight the first
+    time the step meets it, so that a weight's gradient sums in one order all step; the hooks of a module that
+    entered the mode in the step's first split forward and routed nothing are removed then. Without, every op
+    defers.
     """
 
-    def __init__(self, layers: nn.Module) -> None:
+    def __init__(self, layers: nn.Module, shape: tuple[int, int] | None = None) -> None:
         self._pending: dict[int, list[Closure]] = {}
         self._current: Deferring | None = None  # the mode of the micro-batch in progress, entered in each module
         self._mode: Deferring | None = None  # it, while entered
-        self._entered: list[bool] = []  # per module call in progress: whether it entered the mode
-        self._handles: list[RemovableHandle] = []
+        self._entered: list[tuple[nn.Module, int] | None] = []  # per module call in progress: if it entered the mode
+        self._shape = shape
+        self._pays: dict[int, bool] = {}  # by id of weight
+        self._told = False  # whether the step's first forward with a graph ran (and told which modules route)
+        self._calls: dict[int, bool] = {}  # in that forward, by id of module entering the mode: whether it routed
+        self._handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}  # by id of module
         for module in layers.modules():
             if any(p is not None and trainable_leaf(p) and p.dim() >= 2 for p in module._parameters.values()):
-                self._handles.append(module.register_forward_pre_hook(self._enter))
-                self._handles.append(module.register_forward_hook(self._leave, prepend=True, always_call=True))
+                self._handles[id(module)] = (
+                    module.register_forward_pre_hook(self._enter),
+                    module.register_forward_hook(self._leave, prepend=True, always_call=True),
+                )
 
     def close(self) -> None:
         """Remove the hooks (at the end of the step, or when it fails)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles = {}
+
+    @property
+    def decided(self) -> tuple[int, int]:
+        """How many weights the step's split ops met so far that split, and how many they met."""
+        return sum(self._pays.values()), len(self._pays)
+
+    def _decide(self, weight: torch.Tensor, flops: float, conv: bool) -> bool:
+        key = id(weight)
+        if key not in self._pays:
+            self._pays[key] = self._shape is None or split_pays(flops, conv, weight.device, *self._shape)
+        return self._pays[key]
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         mode = self._current if self._mode is None else None  # entered once, in the outermost module holding weights
         if mode is not None:
             self._mode = mode
             mode.__enter__()
-        self._entered.append(mode is not None)
+        self._entered.append((module, mode.routed) if mode is not None else None)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._entered and self._entered.pop() and self._mode is not None:
+        entered = self._entered.pop() if self._entered else None
+        if entered is not None and self._mode is not None:
+            if not self._told:
+                key = id(entered[0])
+                self._calls[key] = self._calls.get(key, False) or self._mode.routed > entered[1]
             self._mode.__exit__(None, None, None)
             self._mode = None
 
@@ -66,11 +116,17 @@ class WeightGrads:
         """Around micro-batch m's forward and its recompute: the split ops' weight gradients wait for :meth:`run`."""
         sink: list[Closure] = []
         self._pending[m] = sink  # a recompute's graph replaces the forward's (whose backward never runs)
-        self._current = Deferring(sink)
+        self._current = Deferring(sink, self._decide)
+        recorded = torch.is_grad_enabled()  # without a graph nothing routes, which tells nothing
         try:
             yield
         finally:
             self._current = None
+            if not self._told and self._shape is not None and recorded:
+                self._told = True
+                for key in [key for key, routed in self._calls.items() if not routed]:
+                    for handle in self._handles.pop(key, ()):
+                        handle.remove()
 
     def run(self, m: int) -> None:
         """W m: micro-batch m's weight gradients into ``.grad``, as autograd accumulates them (hooks included)."""

@@ -1,0 +1,134 @@
+"""Which ops zb-h1 splits (``weight_grad.split_pays``): those whose W pays for the split, per weight, all step."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.pipe import GPipeStage, weight_grad
+from lightning_gpipe.pipe.weight_grad import CONV_EXTRA, HOST_FLOPS, SPLIT_EVERY_OP, WeightGrads, split_pays
+from tests.helpers.launch import run_distributed
+
+
+def test_split_pays_where_the_w_it_moves_outweighs_the_hosts_cost_of_the_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU: a linear splits when 2(K − 1)·t_W exceeds M times the host's cost per op (in one-thread
+    multiply-adds), a convolution when what remains after its dearer halves does; on a GPU every op; and every op
+    where SPLIT_EVERY_OP is set."""
+    monkeypatch.delenv(SPLIT_EVERY_OP, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    edge = 8 * HOST_FLOPS / 2  # K = 2, M = 8: a linear's W must exceed 4 × HOST_FLOPS
+    assert split_pays(edge * 1.01, False, cpu, 2, 8) and not split_pays(edge * 0.99, False, cpu, 2, 8)
+    assert split_pays(edge * 0.99, False, cpu, 4, 8)  # 2(K − 1) = 6: a third of it pays at K = 4
+    assert not split_pays(1e12, True, cpu, 2, 8)  # 2 − 8 × CONV_EXTRA < 0: no convolution pays at K = 2, M = 8
+    conv_edge = 8 * HOST_FLOPS / (2 * 7 - 8 * CONV_EXTRA)
+    assert split_pays(conv_edge * 1.01, True, cpu, 8, 8) and not split_pays(conv_edge * 0.99, True, cpu, 8, 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # the same W in a quarter of the time
+    assert not split_pays(edge * 1.01, False, cpu, 2, 8) and split_pays(edge * 4.04, False, cpu, 2, 8)
+    assert split_pays(1.0, False, gpu, 2, 8) and split_pays(1.0, True, gpu, 2, 8)
+    monkeypatch.setenv(SPLIT_EVERY_OP, "1")
+    assert split_pays(1.0, True, cpu, 2, 8)
+
+
+class BigAndSmall(nn.Module):
+    """A small attention-like projection, a shared small linear used twice, and a big vocabulary-like projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small, self.norm, self.big = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(self.norm(self.small(torch.tanh(self.small(x)))))
+
+
+def test_with_a_shape_only_the_ops_that_pay_split_and_the_others_lose_their_hooks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """K = 2, M = 3 with the host's cost set between the two linears' W: the big one defers in every micro-batch, the
+    small one (used twice) in none, its hooks gone after the first forward; the gradients are autograd's bit for bit,
+    micro-batches' W run late and out of order as zb-h1 runs them."""
+    monkeypatch.delenv(SPLIT_EVERY_OP, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    rows = 5 * 7
+    small_w, big_w = 2 * rows * 8 * 8, 2 * rows * 8 * 512
+    monkeypatch.setattr(weight_grad, "HOST_FLOPS", (small_w + big_w) / 2 * 2 / 3)  # K = 2, M = 3: gain 2 / 3
+    torch.manual_seed(0)
+    plain = BigAndSmall().double()
+    split = copy.deepcopy(plain)
+    xs = [torch.randn(5, 7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(m)) for m in range(3)]
+    for x in xs:
+        plain(x).square().mean().backward()
+    weights = WeightGrads(split, (2, 3))
+    assert len(weights._handles) == 2
+    for m, x in enumerate(xs):
+        with weights.deferring(m):
+            y = split(x)
+        y.square().mean().backward()
+        assert len(weights._pending[m]) == 1  # the big projection's W waits
+        assert split.small.weight.grad is not None and (m > 0 or split.big.weight.grad is None)
+        assert list(weights._handles) == [id(split.big)]  # the small linear's hooks went after the first forward
+        if m:
+            weights.run(m - 1)
+    weights.run(2)
+    weights.close()
+    for (n, p), q in zip(plain.named_parameters(), split.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def _stage_worker(rank: int, world_size: int, host_flops: float) -> dict[str, Any]:
+    """K = 2, M = 4, two steps of ``BigAndSmall`` split [1, 2] (the small linear on rank 0; rank 1: the shared small
+    linear and the big projection) under zb-h1 with the engine's rule, then 1F1B: gradients, and per W, the closures
+    it ran (lists: a tensor cannot outlive its rank in the results' queue); per step, the weights split and met."""
+    import os
+
+    os.environ.pop(SPLIT_EVERY_OP, None)
+    weight_grad.HOST_FLOPS = host_flops
+    torch.set_num_threads(1)
+    ran: list[int] = []
+    decided: list[tuple[int, int]] = []
+    run, close = WeightGrads.run, WeightGrads.close
+
+    def counted_run(self: WeightGrads, m: int) -> None:
+        ran.append(len(self._pending.get(m, [])))
+        run(self, m)
+
+    def recorded_close(self: WeightGrads) -> None:
+        if self._handles or self._pays:
+            decided.append(self.decided)
+        close(self)
+
+    WeightGrads.run, WeightGrads.close = counted_run, recorded_close  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    for schedule in ("zb-h1", "1f1b"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), BigAndSmall()).double()
+        stage = GPipeStage(model, chunks=4, balance=[1, 1], checkpoint="except_last")
+        grads = []
+        for step in range(2):
+            x = torch.randn(4 * (step + 2), 7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            stage.zero_grad(set_to_none=True)
+            stage.forward_backward(x, lambda y, m: y.square().mean(), schedule=schedule)
+            grads.append({n: p.grad.tolist() for n, p in stage.named_parameters()})  # tensors can't outlive the rank
+        out[schedule] = grads
+    return {**out, "ran": ran, "decided": decided}
+
+
+@pytest.mark.timeout(120)
+def test_the_engine_splits_only_what_pays_and_is_the_same_run_as_1f1b() -> None:
+    """With the host's cost between the small and the big linear's W (K = 2, M = 4: 2(K − 1)·t_W > M·HOST_FLOPS),
+    rank 1 defers the big projection's W in every split micro-batch and nothing else; gradients are 1F1B's bit for
+    bit. With the cost above both, nothing splits, and zb-h1 still runs as 1F1B does."""
+    rows = 2 * 7  # a micro-batch of the first step: 2 samples × 7
+    small_w, big_w = 2 * rows * 8 * 8, 2 * rows * 8 * 512
+    for host, deferred in (((small_w + big_w) / 4, 1), (big_w, 0)):  # 2·t / 4 > host: the big one, then neither
+        results = run_distributed(_stage_worker, 2, host, timeout=100)
+        assert results[0]["ran"] == [] and results[0]["decided"] == []  # rank 0's W's follow their I's: fused
+        last = results[1]
+        assert last["decided"] == [(deferred, 2), (deferred, 2)]  # per step: the big linear, of the two weights met
+        assert len(last["ran"]) == 2 * 4 and set(last["ran"]) == {deferred}  # one closure per W, or none
+        for got, want in zip(last["zb-h1"], last["1f1b"]):
+            assert got == want  # bit for bit: float64 values as Python floats
