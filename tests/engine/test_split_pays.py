@@ -35,7 +35,7 @@ def test_split_pays_where_the_w_it_moves_outweighs_the_hosts_cost_of_the_split(m
 
 
 class BigAndSmall(nn.Module):
-    """A small attention-like projection, a shared small linear used twice, and a big vocabulary-like projection."""
+    """A small linear used twice, a norm, and a big vocabulary-like projection."""
 
     def __init__(self) -> None:
         super().__init__()
