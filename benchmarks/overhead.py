@@ -2,7 +2,8 @@
 
 # What it runs: throughput.py's small AmoebaNet-D and Transformer (_lib/workloads.py; the Transformer's vocabulary
 # projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread
-# each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance), a training step = forward
+# each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance cut as GPipeStrategy cuts
+# it for "gpipe" with the loss inside, for the shortest simulated step: chunks.solve_chunks), a training step = forward
 # + loss + backward + RMSProp update, with the stage's timeline on, along five loss paths, alternating step by step
 # in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
 # "gpipe", "1f1b", "zb-h1" and "interleaved-1f1b" (stage.forward_backward: the loss per micro-batch on the last
@@ -255,13 +256,6 @@ def main() -> None:
     parser.add_argument("--clean-threshold", type=float, default=0.1)
     parser.add_argument("--wait-quiet", type=float, default=20.0)
     parser.add_argument("--checkpoint", choices=["except_last", "always", "never"], default="except_last")
-    parser.add_argument(
-        "--last-stage-scale",
-        type=float,
-        default=0.75,
-        help="the balance weighs the last stage's layers by it: 0.75 as GPipeStrategy with the loss inside and "
-        "re-materialization (the last stage never recomputes: F + B where the others run F + R + B)",
-    )
     parser.add_argument("--out-dir", default=str(report.RESULTS))
     parser.add_argument("--smoke", action="store_true", help="tiny models, K=2, 3 steps, no quiet waits")
     args = parser.parse_args()
@@ -273,7 +267,8 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     env = report.environment(threads_per_process=1, processes="one per stage (K), gloo on 127.0.0.1")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    models = {name: balances(name, sizes[name], args.ks, "time", args.last_stage_scale) for name in args.models}
+    # One cut for the one-chunk paths: as GPipeStrategy cuts for "gpipe" with the loss inside.
+    models = {name: balances(name, sizes[name], args.ks, "time", args.micro_batches) for name in args.models}
     rows: list[dict] = []
     raw: dict[int, Any] = {}
     for K in args.ks:

@@ -31,7 +31,7 @@ Pass = Callable[[], dict[str, float]]
 def _passes(name: str, s: dict[str, Any], M: int) -> tuple[list[int], Pass, Callable[..., tuple[Pass, WeightGrads]]]:
     """The last stage's layers at K = 2 and passes of one micro-batch through them: plain, and split with the ops
     that split at ``shape`` = (K, M) (None: every op)."""
-    balance = workloads.balances(name, s, [2], "time", last_stage_scale=0.75)["balance"][2]
+    balance = workloads.balances(name, s, [2], "time", M)["balance"][2]
     model = convert_deferred_batch_norm(workloads.build(name, s))
     x, target = workloads.make_batch(name, s, s["batch"] // M)
     first, last = model[: balance[0]], model[balance[0] :]

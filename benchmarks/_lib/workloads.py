@@ -13,6 +13,7 @@ from torch import nn
 from lightning_gpipe.models import amoebanet_d, transformer_nmt
 from lightning_gpipe.pipe import GPipeStage, solve
 from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
+from lightning_gpipe.pipe.chunks import solve_chunks
 from lightning_gpipe.pipe.partition import costs_by_time, resolve_balance
 
 SEED, PAD, BOS = 0, 0, 1
@@ -95,9 +96,10 @@ def micro_batch_step(name: str, s: dict[str, Any], M: int) -> Callable[[], None]
     return step
 
 
-def balances(name: str, s: dict[str, Any], ks: list[int], how: str, last_stage_scale: float = 1.0) -> dict[str, Any]:
-    """Layer counts per K: 'time' profiles every layer once (on batch/8 samples) and solves each K exactly, the last
-    stage's layers weighed by ``last_stage_scale`` (as the strategy weighs them: see ``partition.solve``)."""
+def balances(name: str, s: dict[str, Any], ks: list[int], how: str, loss_inside: int | None = None) -> dict[str, Any]:
+    """Layer counts per K: 'time' profiles every layer once (on batch/8 samples) and solves each K exactly; with
+    ``loss_inside`` = M, for the shortest simulated GPipe step of M micro-batches with the loss inside the pipeline
+    (as GPipeStrategy cuts then: ``chunks.solve_chunks``), else for the cheapest costliest stage (``solve``)."""
     model = build(name, s)
     info: dict[str, Any] = {
         "model": describe(name, s),
@@ -110,8 +112,11 @@ def balances(name: str, s: dict[str, Any], ks: list[int], how: str, last_stage_s
         x, _ = make_batch(name, s, max(s["batch"] // 8, 1))
         costs = costs_by_time(model, x, repeat=5)
         info["layer_costs_ms"] = [c * 1e3 for c in costs]
-        info["balance"] = {k: solve(costs, k, last_stage_scale) for k in ks}
-        info["last_stage_scale"] = last_stage_scale
+        if loss_inside is None:
+            info["balance"] = {k: solve(costs, k) for k in ks}
+        else:
+            info["balance"] = {k: solve_chunks(costs, k, 1, loss_inside, "except_last", "gpipe") for k in ks}
+        info["cut"] = "cheapest costliest stage" if loss_inside is None else "shortest simulated gpipe step"
     else:
         info["balance"] = {k: resolve_balance(model, k, "parameters") for k in ks}
     return info

@@ -1,4 +1,5 @@
-"""Interleaving (``virtual_stages`` = v ≥ 2): the v chunks a rank holds, rank r the stages r, r + K, …, r + (v−1)K."""
+"""Interleaving (``virtual_stages`` = v ≥ 2): the v chunks a rank holds, rank r the stages r, r + K, …, r + (v−1)K;
+and the split of a backbone into chunks (or, v = 1, stages) for the shortest simulated step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, solve
-from lightning_gpipe.pipe.schedules import Action, lookup
+from lightning_gpipe.pipe.schedules import Action, fuse_halves, lookup
 from lightning_gpipe.pipe.simulator import Costs, simulate
 
 if TYPE_CHECKING:
@@ -60,23 +61,29 @@ def check_virtual_stages(v: object, K: int) -> int:
     return v
 
 
-def solve_chunks(costs: Sequence[float], K: int, v: int, M: int, checkpoint: Checkpoint) -> list[int]:
-    """The layer counts of the vK chunks whose interleaved-1f1b step, simulated, is shortest.
+def solve_chunks(
+    costs: Sequence[float], K: int, v: int, M: int, checkpoint: Checkpoint, schedule: str = "interleaved-1f1b"
+) -> list[int]:
+    """The layer counts of the vK chunks (v = 1: the K stages) whose step under ``schedule``, simulated, is
+    shortest, with the loss inside the pipeline (the last stage runs each micro-batch's backward after its forward).
 
     Each rank runs all its chunks, so what bounds the step is each rank's chunks together, and the cheapest
     costliest chunk (``solve``) may load one rank more than another: with few layers per chunk, the rounding of each
-    chunk adds up on a rank. A chunk holding layers of cost c is simulated as F = c/3, B = 2c/3 and, before the
-    backward of a micro-batch whose graph was dropped (``schedules.keeps_graph``), R = F (``simulated_step``). Every
-    split is simulated when they fit in ``SIMULATED_ACTIONS``; otherwise, within it, runs of consecutive chunk
-    boundaries are shifted together from ``solve``'s split while the step shortens (moving layers between two chunks
-    of a rank through the chunks between them leaves those as they are).
+    chunk adds up on a rank. With one chunk per rank, which stage is the heavier matters too: a last stage heavier by
+    some time stalls the backwards of the stages before it, a first one by as much mostly itself (two such cuts of
+    the benchmarks' Transformer: benchmarks/README.md, "Where the time goes"). A chunk holding layers of
+    cost c is simulated as F = c/3, B = 2c/3 (I = W = c/3 where the schedule splits B) and, before the backward of
+    a micro-batch whose graph was dropped (``schedules.keeps_graph``), R = F (``simulated_step``). Every split is
+    simulated when they fit in ``SIMULATED_ACTIONS``; otherwise, within it, runs of consecutive chunk boundaries are
+    shifted together from ``solve``'s split while the step shortens (moving layers between two chunks of a rank
+    through the chunks between them leaves those as they are).
     """
-    if v < 2:
-        raise ValueError(f"solve_chunks splits a backbone for interleaving (v ≥ 2 chunks per rank), got v = {v}")
+    if not lookup(schedule).accepts(v):
+        lookup(schedule).actions(K, M, v)  # its clear error
     S, L = v * K, len(costs)
     # The per-chunk optimum, the last chunk weighed as it runs (F + B, where the others recompute: about 3 : 4).
     start = solve(costs, S, 0.75 if checkpoint != "never" else 1.0)
-    actions = _admitted_actions(K, M, v)
+    actions = _admitted_actions(K, M, v, schedule)
 
     def step(cuts: Sequence[int]) -> float:
         counts = [b - a for a, b in zip([0, *cuts], [*cuts, L])]
@@ -109,30 +116,38 @@ def solve_chunks(costs: Sequence[float], K: int, v: int, M: int, checkpoint: Che
 
 
 def simulated_step(
-    costs: Sequence[float], counts: Sequence[int], K: int, v: int, M: int, checkpoint: Checkpoint
+    costs: Sequence[float],
+    counts: Sequence[int],
+    K: int,
+    v: int,
+    M: int,
+    checkpoint: Checkpoint,
+    schedule: str = "interleaved-1f1b",
 ) -> float:
-    """The interleaved-1f1b step ``solve_chunks`` weighs for the split ``counts``, in the costs' unit."""
-    return simulate(_admitted_actions(K, M, v), K, v, _chunk_costs(costs, counts, K), checkpoint=checkpoint).makespan
+    """The step ``solve_chunks`` weighs for the split ``counts``, in the costs' unit."""
+    actions = _admitted_actions(K, M, v, schedule)
+    return simulate(actions, K, v, _chunk_costs(costs, counts, K), checkpoint=checkpoint).makespan
 
 
 def _chunk_costs(costs: Sequence[float], counts: Sequence[int], K: int) -> dict[tuple[int, int], Costs]:
-    """Per (rank, chunk): a chunk of layers of cost c runs F = c/3, B = 2c/3, R = F (a layer's backward is about
-    twice its forward; only the ratios matter)."""
+    """Per (rank, chunk): a chunk of layers of cost c runs F = c/3, B = 2c/3, I = W = c/3, R = F (a layer's backward
+    is about twice its forward; only the ratios matter)."""
     out, start = {}, 0
     for s, n in enumerate(counts):
         c = float(sum(costs[start : start + n]))
         start += n
-        out[s % K, s // K] = Costs(F=c / 3, B=2 * c / 3, R=c / 3)
+        out[s % K, s // K] = Costs(F=c / 3, B=2 * c / 3, I=c / 3, W=c / 3, R=c / 3)
     return out
 
 
-def _admitted_actions(K: int, M: int, v: int) -> list[list[Action]]:
-    """interleaved-1f1b's actions for M micro-batches, or for the most below M it admits: a stage built for an M it
-    refuses still runs ``stage(x)`` and ``backward()``, and only ``forward_backward`` raises the schedule's error."""
+def _admitted_actions(K: int, M: int, v: int, schedule: str) -> list[list[Action]]:
+    """``schedule``'s actions for M micro-batches (as the executor runs them: ``fuse_halves``), or for the most
+    below M it admits: a stage built for an M it refuses still runs ``stage(x)`` and ``backward()``, and only
+    ``forward_backward`` raises the schedule's error."""
     for m in range(M, 0, -1):
         with contextlib.suppress(ValueError):
-            return lookup("interleaved-1f1b").actions(K, m, v)
-    raise AssertionError("interleaved-1f1b admits M = 1")
+            return [fuse_halves(ops) for ops in lookup(schedule).actions(K, m, v)]
+    raise AssertionError(f"{schedule} admits M = 1")
 
 
 def agree_on_chunks(

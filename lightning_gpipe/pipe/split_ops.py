@@ -2,7 +2,8 @@
 
 While a micro-batch of a split schedule runs forward (or is recomputed), the torch-function mode :class:`Deferring`,
 entered by ``weight_grad.WeightGrads`` inside the modules that hold parameters, routes ``F.linear``,
-``F.conv1d/2d/3d`` and ``F.embedding`` whose weight is a trainable leaf through an autograd function of the same op.
+``F.conv1d/2d/3d`` and ``F.embedding`` whose weight is a trainable leaf, and whose W its ``decide`` says to defer (from
+W's multiply-adds), through an autograd function of the same op.
 Its backward (in I, the input-gradient half) computes the input gradient only, and appends to micro-batch m's list a
 closure that computes the weight gradients (W) from the kept (input, output gradient), with the formulas autograd
 uses. No module is swapped: the layers run their own forward. Every other parameter (norms, custom ones, a weight

@@ -4,7 +4,8 @@ As Megatron-LM's and DualPipe's ``WeightGradStore``: while a micro-batch of a sp
 (or is recomputed), the split ops (``split_ops``) compute each op's input gradient in I and keep (input, output
 gradient) in a closure for micro-batch m; W m runs m's closures and accumulates the results with the autograd
 engine (``torch.autograd.backward``'s) on the parameters themselves, so that ``.grad`` sums exactly as autograd sums
-it and the parameters' hooks fire once, at W.
+it and the parameters' hooks fire once, at W. An op splits only where the W it moves pays for the split's host
+work (:func:`split_pays`).
 """
 
 from __future__ import annotations

@@ -142,8 +142,7 @@ class Plan:
     balance: Balance  # layer counts, or "parameters" / a cost function for the engine to solve
     kind: str  # a key of MEASURES
     costs: list[float] | None = None  # per layer, when measured here
-    note: str = ""  # what balance="auto" chose, and why
-    last_stage_scale: float = 1.0  # how the split weighed the last stage's costs
+    note: str = ""  # what balance="auto" chose, and why; how the costs were split
 
 
 def plan_balance(
@@ -158,12 +157,11 @@ def plan_balance(
     rank: int,
     batch_dim: int,
     broadcast: Callable[[Any], Any],
-    last_stage_scale: float = 1.0,
-    solver: Solver | None = None,
+    solver: tuple[Solver, str] | None = None,
 ) -> Plan:
     """The same :class:`Plan` on every rank (collective for "auto", "flops" and "time"); measured costs split by
-    ``solver(costs, K)`` (interleaving's: see ``chunks.solve_chunks``), else by ``solve`` with the last stage's
-    layers weighed by ``last_stage_scale``."""
+    ``solver``'s function, ``(costs, K) -> counts`` (``chunks.solve_chunks``: the shortest simulated step), and its
+    description goes into the note; else by ``solve`` (the cheapest costliest stage)."""
     if isinstance(balance, str) and balance in ("auto", "flops", "time"):
         kind = "flops" if balance == "auto" else balance
         if balance == "auto" and getattr(module, "example_input_array", None) is None:
@@ -184,12 +182,9 @@ def plan_balance(
             chose = "balance='auto' chose 'flops': the LightningModule has an example_input_array"
             note = chose if balance == "auto" else ""
             if solver is not None:
-                split = "split for the shortest simulated interleaved-1f1b step (each rank's chunks together)"
-                return Plan(solver(costs, K), kind, costs, f"{note}; {split}".lstrip("; "))
-            if last_stage_scale != 1.0:
-                recompute = "the loss inside the pipeline: only the stages before the last recompute"
-                note = f"{note}; {recompute}, so the last stage's costs count × {last_stage_scale:g}".lstrip("; ")
-            return Plan(solve(costs, K, last_stage_scale), kind, costs, note, last_stage_scale)
+                split, how = solver
+                return Plan(split(costs, K), kind, costs, f"{note}; {how}".lstrip("; "))
+            return Plan(solve(costs, K), kind, costs, note)
         if balance != "auto":
             raise error if error is not None else RuntimeError("no layer costs were measured")
         if rank == 0:

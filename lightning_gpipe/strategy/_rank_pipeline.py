@@ -225,8 +225,14 @@ def _plan(
     """How many layers each stage holds (``GPipeStrategy(balance=...)``), resolved on rank 0 and broadcast."""
     K, v = mesh.K, options.virtual_stages
 
-    def interleaved(costs: Sequence[float], S: int) -> list[int]:
-        return solve_chunks(costs, K, v, options.chunks, options.checkpoint)
+    def simulated(costs: Sequence[float], S: int) -> list[int]:
+        return solve_chunks(costs, K, v, options.chunks, options.checkpoint, options.schedule)
+
+    # With the loss inside, the last stage runs each micro-batch's F and B together and never recomputes, and which
+    # stage is the heavier changes the step: the cut that the schedule, simulated, runs fastest. (With the loss
+    # outside every stage runs the same phases: the cheapest costliest stage.)
+    together = " (each rank's chunks together)" if v > 1 else ""
+    how = f"split for the shortest simulated {options.schedule} step{together}"
 
     return plan_balance(
         module,
@@ -239,9 +245,7 @@ def _plan(
         rank=mesh.rank,
         batch_dim=options.batch_dim,
         broadcast=broadcast,
-        # With the loss inside, the last stage runs F + B per micro-batch, the others F + R + B: about 3 : 4.
-        last_stage_scale=0.75 if options.pipeline_loss and options.checkpoint != "never" else 1.0,
-        solver=interleaved if v > 1 else None,
+        solver=(simulated, how) if v > 1 or options.pipeline_loss else None,
     )
 
 

@@ -66,9 +66,11 @@ def test_too_many_splits_to_simulate_are_searched_from_the_per_chunk_split(monke
         assert simulated_step(costs, counts, K, v, M) <= simulated_step(costs, start, K, v, M)
 
 
-def test_solve_chunks_refuses_one_chunk_per_rank() -> None:
-    with pytest.raises(ValueError, match=r"v ≥ 2 chunks per rank\), got v = 1"):
+def test_solve_chunks_refuses_chunks_per_rank_the_schedule_refuses() -> None:
+    with pytest.raises(ValueError, match=r"'interleaved-1f1b' takes v ≥ 2 chunks per rank, got v = 1"):
         solve_chunks(TRANSFORMER, 2, 1, 8, "except_last")
+    with pytest.raises(ValueError, match=r"'1f1b' takes v = 1 chunks per rank, got v = 2"):
+        solve_chunks(TRANSFORMER, 2, 2, 8, "except_last", "1f1b")
 
 
 def layer_cost(i: int, layer: nn.Module) -> float:
