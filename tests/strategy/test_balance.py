@@ -294,7 +294,7 @@ def test_the_loss_inside_cuts_for_the_schedules_simulated_step() -> None:
     stage's, and is a shorter simulated step."""
     from types import SimpleNamespace
 
-    from lightning_gpipe.pipe.chunks import simulated_step, solve_chunks
+    from lightning_gpipe.pipe.chunks import SIMULATION_TOLERANCE, simulated_step, solve_chunks
     from lightning_gpipe.strategy._rank_pipeline import StageOptions, _plan
     from lightning_gpipe.strategy.gpipe import GPipeStrategy
     from tests.helpers.tiny_fit import lightning_module
@@ -314,11 +314,21 @@ def test_the_loss_inside_cuts_for_the_schedules_simulated_step() -> None:
     # costliest stage is [9, 8], which ran with twice the bubble of [10, 7] (benchmarks/README.md).
     profile = [1.1, 9.0, 10.5, 8.4, 8.7, 8.3, 8.5, 0.3, 1.3, 10.9, 12.6, 10.1, 12.5, 11.7, 10.5, 0.2, 20.0]
     assert solve(profile, 2, 0.75) == [9, 8]
-    for schedule in ("gpipe", "1f1b", "zb-h1"):
+    for schedule in ("gpipe", "1f1b"):  # 7 % and 2.2 % shorter steps simulated
         cut = solve_chunks(profile, 2, 1, 8, "except_last", schedule)
         assert cut == [10, 7], schedule
         step = simulated_step(profile, cut, 2, 1, 8, "except_last", schedule)
-        assert step < simulated_step(profile, [9, 8], 2, 1, 8, "except_last", schedule), schedule
+        assert step < (1 - SIMULATION_TOLERANCE) * simulated_step(profile, [9, 8], 2, 1, 8, "except_last", schedule)
+    # zb-h1's W fills the cool-down, where the heavier last stage waited: the two within the model's tolerance, the
+    # cheapest costliest stage's split stays
+    assert solve_chunks(profile, 2, 1, 8, "except_last", "zb-h1") == [9, 8]
+    # The README's main command by FLOPs (M FLOPs: layers 0–4, dec0, dec1 … project): its two cuts nearest the
+    # middle simulate within 0.1 % of each other, and solve's, which ran a third faster, stays
+    nmt = [311.0, 211.0, 408.0]
+    assert simulated_step(nmt, [2, 1], 2, 1, 4, "except_last", "gpipe") < simulated_step(
+        nmt, [1, 2], 2, 1, 4, "except_last", "gpipe"
+    )
+    assert solve_chunks(nmt, 2, 1, 4, "except_last", "gpipe") == solve(nmt, 2, 0.75) == [1, 2]
     strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=1)
     for hooked, inside_expected in ((True, True), (False, False)):
         strategy._lightning_module = lightning_module(hooked=hooked)
