@@ -143,6 +143,7 @@ class Plan:
     kind: str  # a key of MEASURES
     costs: list[float] | None = None  # per layer, when measured here
     note: str = ""  # what balance="auto" chose, and why; how the costs were split
+    last_stage_scale: float = 1.0  # how the split weighed the last stage's costs (the log shows them so)
 
 
 def plan_balance(
@@ -157,11 +158,13 @@ def plan_balance(
     rank: int,
     batch_dim: int,
     broadcast: Callable[[Any], Any],
+    last_stage_scale: float = 1.0,
     solver: tuple[Solver, str] | None = None,
 ) -> Plan:
     """The same :class:`Plan` on every rank (collective for "auto", "flops" and "time"); measured costs split by
     ``solver``'s function, ``(costs, K) -> counts`` (``chunks.solve_chunks``: the shortest simulated step), and its
-    description goes into the note; else by ``solve`` (the cheapest costliest stage)."""
+    description goes into the note; else by ``solve`` (the cheapest costliest stage), the last stage's layers
+    weighed by ``last_stage_scale``, as the log weighs them."""
     if isinstance(balance, str) and balance in ("auto", "flops", "time"):
         kind = "flops" if balance == "auto" else balance
         if balance == "auto" and getattr(module, "example_input_array", None) is None:
@@ -181,10 +184,13 @@ def plan_balance(
             # Solved on every rank from the same costs: an error here (K > L) is raised alike everywhere.
             chose = "balance='auto' chose 'flops': the LightningModule has an example_input_array"
             note = chose if balance == "auto" else ""
+            if last_stage_scale != 1.0:
+                recompute = "the loss inside the pipeline: only the stages before the last recompute"
+                note = f"{note}; {recompute}, so the last stage's costs count × {last_stage_scale:g}".lstrip("; ")
             if solver is not None:
                 split, how = solver
-                return Plan(split(costs, K), kind, costs, f"{note}; {how}".lstrip("; "))
-            return Plan(solve(costs, K), kind, costs, note)
+                return Plan(split(costs, K), kind, costs, f"{note}; {how}".lstrip("; "), last_stage_scale)
+            return Plan(solve(costs, K, last_stage_scale), kind, costs, note, last_stage_scale)
         if balance != "auto":
             raise error if error is not None else RuntimeError("no layer costs were measured")
         if rank == 0:

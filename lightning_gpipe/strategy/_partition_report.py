@@ -99,12 +99,24 @@ class PartitionReport:
         names = self.whole.layer_names
         return f"{a} ({names[a]})" if a == b else f"{a}–{b} ({names[a]} … {names[b]})"
 
+    @property
+    def weighed_costs(self) -> list[float] | None:
+        """Each stage's cost as the split weighed it: the last stage's × ``plan.last_stage_scale``."""
+        costs = self.stage_costs
+        return [*costs[:-1], costs[-1] * self.plan.last_stage_scale] if costs else costs
+
+    @property
+    def _weighed(self) -> bool:
+        return self.plan.last_stage_scale != 1.0
+
     def header(self) -> str:
         note = f" ({self.plan.note})" if self.plan.note else ""
-        costs = self.stage_costs
+        costs = self.weighed_costs
         worst = ""
         if costs and sum(costs):
             worst = f"; the costliest stage is {max(costs) * len(costs) / sum(costs):.2f}× the mean"
+            if self._weighed:  # the Cost column is what was measured; the Share column and this, as weighed
+                worst += " of the weighed costs (the Share column; the Cost column is as measured)"
         v = self.virtual_stages
         chunks = f" (virtual_stages={v}: rank k holds stages k, k + {self.K_ranks}, …)" if v > 1 else ""
         split = f"split into {self.K} stages{chunks} by {MEASURES[self.plan.kind]}"
@@ -112,8 +124,8 @@ class PartitionReport:
 
     def table(self, devices: Callable[[int], str] | None = None) -> Table:
         """Columns stage → layers, parameters, cost (and its share), and the ranks (devices) that hold it."""
-        costs = self.stage_costs
-        total = sum(costs) if costs else 0.0
+        costs, weighed = self.stage_costs, self.weighed_costs
+        total = sum(weighed) if weighed else 0.0
         columns: Table = [("Stage", [str(k) for k in range(self.K)])]
         if self.virtual_stages > 1:
             columns.append(("Chunk", [f"{self.holder(k)}{chr(ord('a') + k // self.K_ranks)}" for k in range(self.K)]))
@@ -124,7 +136,9 @@ class PartitionReport:
         if costs is not None:
             unit = UNITS[self.plan.kind]
             columns.append(("Cost", [_cost(c, unit) for c in costs]))
-            columns.append(("Share", [f"{100 * c / total:.1f}%" if total else "-" for c in costs]))
+            assert weighed is not None
+            share = f"Share (last × {self.plan.last_stage_scale:g})" if self._weighed else "Share"
+            columns.append((share, [f"{100 * c / total:.1f}%" if total else "-" for c in weighed]))
         if skips := self.stage_skips():
             columns.append(("Long skips", skips))
         if devices is not None:

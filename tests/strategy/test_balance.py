@@ -309,7 +309,8 @@ def test_the_loss_inside_cuts_for_the_schedules_simulated_step() -> None:
 
     outside, inside = plan(False), plan(True)
     assert (outside.balance, inside.balance) == ([4, 3], [3, 4])
-    assert inside.note.endswith("split for the shortest simulated gpipe step") and "simulated" not in outside.note
+    assert inside.note.endswith("so the last stage's costs count × 0.75; split for the shortest simulated gpipe step")
+    assert "simulated" not in outside.note and (outside.last_stage_scale, inside.last_stage_scale) == (1.0, 0.75)
     # A profile of the benchmarks' Transformer (ms per layer): the last stage's costs weighed × 3/4, the cheapest
     # costliest stage is [9, 8], which ran with twice the bubble of [10, 7] (benchmarks/README.md).
     profile = [1.1, 9.0, 10.5, 8.4, 8.7, 8.3, 8.5, 0.3, 1.3, 10.9, 12.6, 10.1, 12.5, 11.7, 10.5, 0.2, 20.0]
@@ -362,3 +363,4 @@ def test_interleaving_splits_for_the_simulated_step_and_says_so(monkeypatch: pyt
     assert "shortest simulated interleaved-1f1b step (each rank's chunks together)" in interleaved.note
     assert one_chunk.balance == solve_chunks(TRANSFORMER, 4, 1, 8, "except_last", "1f1b")
     assert one_chunk.note.endswith("split for the shortest simulated 1f1b step")
+    assert (interleaved.last_stage_scale, one_chunk.last_stage_scale) == (1.0, 0.75)  # as the log weighs the costs

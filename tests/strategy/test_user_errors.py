@@ -135,13 +135,17 @@ def test_a_layer_of_another_stage_says_to_call_the_backbone_whole() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the split table
-def test_the_share_column_is_each_stages_share_of_the_measured_costs() -> None:
+def test_the_share_column_is_what_the_header_weighs() -> None:
     backbone = nn.Sequential(*(nn.Linear(D, D) for _ in range(3)))
-    plan = Plan([1, 2], "flops", [1.0, 1.0, 1.0])
+    plan = Plan([1, 2], "flops", [1.0, 1.0, 1.0], last_stage_scale=0.75)
     report = PartitionReport(WholeModel.read(backbone, "0", backbone), plan, [1, 2], [1.0, 1.0, 1.0])
     columns = dict(report.table())
-    assert columns["Cost"] == ["1 FLOPs", "2 FLOPs"] and columns["Share"] == ["33.3%", "66.7%"]
-    assert report.header().endswith("the costliest stage is 1.33× the mean")
+    assert columns["Cost"] == ["1 FLOPs", "2 FLOPs"]  # as measured
+    assert columns["Share (last × 0.75)"] == ["40.0%", "60.0%"]  # 1 : 2 × 0.75
+    assert report.header().endswith("the costliest stage is 1.20× the mean of the weighed costs (the Share column; "
+                                    "the Cost column is as measured)")  # fmt: skip
+    unweighed = PartitionReport(report.whole, Plan([1, 2], "flops", [1.0, 1.0, 1.0]), [1, 2], [1.0, 1.0, 1.0])
+    assert dict(unweighed.table())["Share"] == ["33.3%", "66.7%"] and unweighed.header().endswith("1.33× the mean")
 
 
 # ------------------------------------------------------------------------------------ fits on two processes
