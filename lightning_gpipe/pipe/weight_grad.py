@@ -36,7 +36,7 @@ SPLIT_EVERY_OP = "LIGHTNING_GPIPE_SPLIT_EVERY_OP"
 def split_pays(flops: float, conv: bool, device: torch.device, K: int, M: int) -> bool:
     """Whether deferring one op's weight gradient (W, ``flops`` multiply-adds a micro-batch) shortens a zb-h1 step
     on K ranks and M micro-batches. Moving time t out of every I of the ranks that split shortens the step by
-    2(K − 1)·t (the simulated step is linear in it, see ``tests/engine/test_schedules.py``), while those ranks pay
+    2(K − 1)·t (the simulated step is linear in it: ``tests/engine/test_split_pays.py``), while those ranks pay
     the split's host work on each of their M micro-batches. On a GPU the host runs ahead of the device, so every op
     splits; on the CPU an op splits when its W outweighs that cost (a convolution's, its dearer halves too)."""
     if device.type != "cpu" or os.environ.get(SPLIT_EVERY_OP, "") not in ("", "0"):
