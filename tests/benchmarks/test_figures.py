@@ -84,7 +84,7 @@ def check_overhead(fig: Any, data: dict) -> None:
             totals[i] += width
     # Disjoint parts of one step in one unit: their medians add up to about the whole step, which the axis shows.
     assert all(95.0 <= t <= 102.0 for t in totals), totals
-    assert ax.get_xlim()[1] >= max(totals)
+    assert ax.get_xlim()[1] >= max(totals) - 1e-9  # the plot sums the widths in another order
 
 
 def check_throughput(fig: Any, data: dict) -> None:
