@@ -360,6 +360,5 @@ class Deferring(TorchFunctionMode):
 
 def _conv_weight_flops(x: torch.Tensor, w: torch.Tensor, stride: Any) -> float:
     """About the multiply-adds of a convolution's weight gradient: 2 per weight element and output position."""
-    d = w.dim() - 2
-    positions = x[0, 0].numel() / max(1, math.prod(_as_list(stride, d)))
+    positions = math.prod(x.shape[2:]) / max(1, math.prod(_as_list(stride, w.dim() - 2)))  # shapes only: no op
     return 2.0 * x.shape[0] * positions * w.numel()

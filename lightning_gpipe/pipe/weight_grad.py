@@ -106,7 +106,7 @@ class WeightGrads:
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         entered = self._entered.pop() if self._entered else None
         if entered is not None and self._mode is not None:
-            if not self._told:
+            if not self._told and self._shape is not None:  # without a shape nothing is removed: nothing to tell
                 key = id(entered[0])
                 self._calls[key] = self._calls.get(key, False) or self._mode.routed > entered[1]
             self._mode.__exit__(None, None, None)
