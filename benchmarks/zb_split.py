@@ -7,7 +7,8 @@
 # split, ``weight_grad.split_pays``); and every op split. Gradients accumulate as in micro-batches 1 … M−1 of a step.
 # Profiled rounds of each, alternating, give the matrix products' time (aten::mm, the convolutions' backward): the
 # same products, in I and W or in B. `python -m benchmarks.zb_split` (about 2 min on 2 cores; `--smoke`: small
-# models, seconds; `--out-dir DIR`); results in benchmarks/README.md.
+# models, seconds; `--out-dir DIR`; `--device cuda`: the passes on a GPU, each part timed between synchronizations,
+# the products not profiled; `--set d_model=1024 ...`: the models' sizes changed); results in benchmarks/README.md.
 
 from __future__ import annotations
 
@@ -28,12 +29,25 @@ PRODUCTS = ("aten::mm", "aten::addmm", "aten::convolution_backward")
 Pass = Callable[[], dict[str, float]]
 
 
-def _passes(name: str, s: dict[str, Any], M: int) -> tuple[list[int], Pass, Callable[..., tuple[Pass, WeightGrads]]]:
+def _on(t: Any, device: torch.device) -> Any:
+    return tuple(_on(u, device) for u in t) if isinstance(t, tuple) else t.to(device)
+
+
+def _clock(device: torch.device) -> float:
+    """Now, once the device has run what was queued (a GPU's part ends when its kernels do)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _passes(
+    name: str, s: dict[str, Any], M: int, device: torch.device
+) -> tuple[list[int], Pass, Callable[..., tuple[Pass, WeightGrads]]]:
     """The last stage's layers at K = 2 and passes of one micro-batch through them: plain, and split with the ops
     that split at ``shape`` = (K, M) (None: every op)."""
-    balance = workloads.balances(name, s, [2], "time", M)["balance"][2]
-    model = convert_deferred_batch_norm(workloads.build(name, s))
-    x, target = workloads.make_batch(name, s, s["batch"] // M)
+    balance = workloads.balances(name, s, [2], "time", M)["balance"][2]  # profiled on the CPU
+    model = convert_deferred_batch_norm(workloads.build(name, s)).to(device)
+    x, target = _on(workloads.make_batch(name, s, s["batch"] // M), device)
     first, last = model[: balance[0]], model[balance[0] :]
     with torch.no_grad(), deferred_statistics():
         h = first(x)
@@ -46,24 +60,24 @@ def _passes(name: str, s: dict[str, Any], M: int) -> tuple[list[int], Pass, Call
             return workloads.loss_fn(last(inputs), target)
 
     def plain() -> dict[str, float]:
-        t0 = time.perf_counter()
+        t0 = _clock(device)
         loss = forward()
-        t1 = time.perf_counter()
+        t1 = _clock(device)
         loss.backward()
-        return {"F": t1 - t0, "B": time.perf_counter() - t1}
+        return {"F": t1 - t0, "B": _clock(device) - t1}
 
     def split(shape: tuple[int, int] | None) -> tuple[Pass, WeightGrads]:
         weights = WeightGrads(last, shape)  # once per step in the engine: its first pass decides which ops split
 
         def halves() -> dict[str, float]:
-            t0 = time.perf_counter()
+            t0 = _clock(device)
             with weights.deferring(0):
                 loss = forward()
-            t1 = time.perf_counter()
+            t1 = _clock(device)
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = _clock(device)
             weights.run(0)
-            return {"F": t1 - t0, "I": t2 - t1, "W": time.perf_counter() - t2}
+            return {"F": t1 - t0, "I": t2 - t1, "W": _clock(device) - t2}
 
         return halves, weights
 
@@ -77,9 +91,9 @@ def _products_ms(run: Pass) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in PRODUCTS) / 1e3
 
 
-def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int) -> dict[str, Any]:
+def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(workloads.SEED)
-    balance, plain, split = _passes(name, s, M)
+    balance, plain, split = _passes(name, s, M, device)
     (pays, weights), (every, _) = split((2, M)), split(None)
     passes = {"plain": plain, "split": pays, "every": every}
     times: dict[str, list[dict[str, float]]] = {key: [] for key in passes}
@@ -96,7 +110,7 @@ def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int) -> d
         return statistics.median(sum(b.values()) / sum(a.values()) for a, b in zip(times["plain"], times[key]))
 
     products: dict[str, list[float]] = {key: [] for key in passes}
-    for _ in range(max(rounds // 3, 2)):
+    for _ in range(max(rounds // 3, 2) if device.type == "cpu" else 0):  # CPU self time: a GPU's is its launches
         for key, run in passes.items():
             products[key].append(_products_ms(run))
     split_weights, met = weights.decided
@@ -105,7 +119,8 @@ def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int) -> d
     for key in ("split", "every"):
         row |= {f"{key}_{part}": median(key, part) for part in "FIW"}
         row[f"{key}_paired"] = paired(key)
-        row[f"{key}_products"] = statistics.median(b / a for a, b in zip(products["plain"], products[key]))
+        ratios = [b / a for a, b in zip(products["plain"], products[key])]
+        row[f"{key}_products"] = statistics.median(ratios) if ratios else None
     return row | {"weights": f"{split_weights} of {met}", "rounds": rounds, "raw": times, "raw_products_ms": products}
 
 
@@ -125,14 +140,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out-dir", default=str(report.RESULTS))
     parser.add_argument("--smoke", action="store_true", help="small models, 3 rounds")
+    parser.add_argument("--device", default="cpu", help="where the passes run (cpu, cuda)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=INT", help="size changes, e.g. d_model=1024")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     sizes = workloads.SMOKE_SIZES if args.smoke else workloads.SIZES
+    changes = {key: int(value) for key, value in (item.split("=", 1) for item in args.set)}
     rounds, warmup = (3, 1) if args.smoke else (args.rounds, 3)
-    env = report.environment(threads_per_process=1, processes="1")
+    env = report.environment(threads_per_process=torch.get_num_threads(), processes="1") | {"device": str(device)}
     rows = []
     for name in args.models:
-        row = measure(name, sizes[name], args.micro_batches, rounds, warmup)
+        s = sizes[name] | {key: value for key, value in changes.items() if key in sizes[name]}
+        row = measure(name, s, args.micro_batches, rounds, warmup, device) | {"sizes": workloads.describe(name, s)}
         rows.append(row)
         print(
             f"{name}: F + B {row['plain_F']:.1f} + {row['plain_B']:.1f} ms; weights split {row['weights']}: F + I + W "
@@ -142,7 +163,8 @@ def main() -> None:
         )
     command = report.command_line("zb_split")
     md = ["# zb-h1's split on the last stage: one micro-batch, F + B vs F + I + W", ""]
-    md += [*report.environment_lines(env), f"- Command: `{command}`"]
+    md += [*report.environment_lines(env), f"- Device of the passes: {device}; command: `{command}`"]
+    md += [f"- Sizes: {'; '.join(row['sizes'] for row in rows)}"]
     md += [
         f"- M = {args.micro_batches}: one micro-batch of batch / M samples; {rounds} rounds, the three passes "
         "alternating (plain; split where it pays at K = 2, as the engine splits; every op split); medians; the "

@@ -34,7 +34,7 @@ def trainable_leaf(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and t.layout == torch.strided
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts linear and convolutions to on ``device_type``, or None when it is off there."""
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return None
@@ -145,17 +145,23 @@ def _on_node(y: torch.Tensor, keep: Callable[[tuple[torch.Tensor, ...]], None]) 
     node.register_prehook(keep)
 
 
-def _linear_hooked(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: list[Closure], dtype: torch.dtype | None
-) -> torch.Tensor:
-    """F.linear with the parameters detached, so that autograd's own addmm backward computes the input gradient
-    alone, in C++; a hook on the output keeps its gradient for W's closure. The cheap path, for an input that
-    requires grad and is 2-d or contiguous (aten runs both as one addmm on its rows whether or not the weight
-    requires grad); :class:`_Linear` takes the rest. The hook is on the op's autograd node (:func:`_on_node`)."""
-    xc, wc, bc = _cast(x, dtype), _detached(weight, dtype), _detached(bias, dtype)  # x's cast differentiable
-    with _no_autocast(x.device.type, dtype):
-        y = F.linear(xc, wc, bc)
-    x2 = xc.detach().reshape(-1, xc.shape[-1])
+def linear_weight_flops(x: torch.Tensor, weight: torch.Tensor) -> float:
+    """The multiply-adds of a linear's weight gradient on input ``x``: 2 per weight element and input row."""
+    return 2.0 * x.numel() / max(1, x.shape[-1]) * weight.numel()
+
+
+def keep_linear_grads(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    wc: torch.Tensor,
+    sink: list[Closure],
+) -> None:
+    """On the node of ``y`` = F.linear(``x``, ``wc``, bias) run with the weight outside autograd (``wc``: it as the op
+    used it), a hook that keeps the output gradient and appends W's closure to ``sink``: the gradients of ``weight``
+    and ``bias`` with the formulas of autograd's addmm backward (x: 2-d or contiguous, one addmm on its rows)."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
     wt = wc.t()
 
     def keep(grad_outputs: tuple[torch.Tensor, ...]) -> None:
@@ -170,6 +176,19 @@ def _linear_hooked(
         sink.append(closure)
 
     _on_node(y, keep)
+
+
+def _linear_hooked(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: list[Closure], dtype: torch.dtype | None
+) -> torch.Tensor:
+    """F.linear with the parameters detached, so that autograd's own addmm backward computes the input gradient
+    alone, in C++; a hook on the output keeps its gradient for W's closure (:func:`keep_linear_grads`). The cheap
+    path, for an input that requires grad and is 2-d or contiguous (aten runs both as one addmm on its rows whether
+    or not the weight requires grad); :class:`_Linear` takes the rest."""
+    xc, wc, bc = _cast(x, dtype), _detached(weight, dtype), _detached(bias, dtype)  # x's cast differentiable
+    with _no_autocast(x.device.type, dtype):
+        y = F.linear(xc, wc, bc)
+    keep_linear_grads(y, xc, weight, bias, wc, sink)
     return y
 
 
@@ -311,10 +330,10 @@ class Deferring(TorchFunctionMode):
                     and (b is None or trainable_leaf(b))
                     and isinstance(x, torch.Tensor)
                     and x.dim() >= 2  # a vector input runs as a matrix-vector product
-                    and self.decide(w, 2.0 * x.numel() / max(1, x.shape[-1]) * w.numel(), False)
+                    and self.decide(w, linear_weight_flops(x, w), False)
                 ):
                     self.routed += 1
-                    dtype = _autocast_dtype(x.device.type)
+                    dtype = autocast_dtype(x.device.type)
                     if x.requires_grad and (x.dim() == 2 or x.is_contiguous()):
                         return _linear_hooked(x, w, b, self.sink, dtype)
                     return _Linear.apply(x, self._anchor(x), ((w, b), self.sink, dtype))
@@ -330,7 +349,7 @@ class Deferring(TorchFunctionMode):
                     and self.decide(w, _conv_weight_flops(x, w, geometry[0]), True)
                 ):
                     self.routed += 1
-                    dtype = _autocast_dtype(x.device.type)
+                    dtype = autocast_dtype(x.device.type)
                     if x.requires_grad:
                         return _conv_hooked(x, w, b, self.sink, dtype, func, tuple(geometry))
                     conv = ((w, b), self.sink, dtype, func, tuple(geometry))

@@ -13,14 +13,21 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gpipe.pipe._torch_internals import accumulate_grads
-from lightning_gpipe.pipe.split_ops import Closure, Deferring, trainable_leaf
+from lightning_gpipe.pipe.split_ops import (
+    Closure,
+    Deferring,
+    autocast_dtype,
+    keep_linear_grads,
+    linear_weight_flops,
+    trainable_leaf,
+)
 
 # What a split op costs its rank beyond its products on the CPU, in the multiply-adds a product does in that time on
 # one thread: the routing, the hooks, the kept tensors and W's closure take about 0.1 ms a linear there, a 6 MFLOP
@@ -45,6 +52,16 @@ def split_pays(flops: float, conv: bool, device: torch.device, K: int, M: int) -
     return t_w * (2 * (K - 1) - M * CONV_EXTRA * conv) > M * HOST_FLOPS
 
 
+class _Toggled(NamedTuple):
+    """A plain Linear's call in progress outside the mode: its input, parameters, and whether its W defers."""
+
+    module: nn.Module
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    defers: bool
+
+
 class WeightGrads:
     """One step's deferred weight gradients, per micro-batch: collected in I, accumulated in W.
 
@@ -53,7 +70,10 @@ class WeightGrads:
     torch-function mode costs a Python call per op, which the other ops (activations, norms with their vectors,
     attention's arithmetic, containers) do not pay; an op the mode does not see runs as written, its gradients in I.
     Their hooks (entering it after the module's own pre-hooks, leaving it before its own hooks, so that modes those
-    enter nest) live until :meth:`close`, for one step.
+    enter nest) live until :meth:`close`, for one step. A plain ``nn.Linear`` on an input that requires grad needs
+    no mode: its hooks take its parameters out of autograd for the call (``requires_grad`` off, then back on), so
+    that autograd's addmm backward computes the input gradient alone, and keep the output gradient for W, as the
+    mode's cheap path does, without a Python call per op.
 
     With ``shape=(K, M)`` an op defers its W only where that pays (:func:`split_pays`), decided per weight the first
     time the step meets it, so that a weight's gradient sums in one order all step; the hooks of a module that
@@ -65,14 +85,18 @@ class WeightGrads:
         self._pending: dict[int, list[Closure]] = {}
         self._current: Deferring | None = None  # the mode of the micro-batch in progress, entered in each module
         self._mode: Deferring | None = None  # it, while entered
-        self._entered: list[tuple[nn.Module, int] | None] = []  # per module call in progress: if it entered the mode
+        # Per module call in progress: (it, the mode's count of routed ops) if it entered the mode, or its toggle.
+        self._entered: list[tuple[nn.Module, int] | _Toggled | None] = []
         self._shape = shape
         self._pays: dict[int, bool] = {}  # by id of weight
         self._told = False  # whether the step's first forward with a graph ran (and told which modules route)
         self._calls: dict[int, bool] = {}  # in that forward, by id of module entering the mode: whether it routed
         self._handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}  # by id of module
+        self._linears: set[int] = set()  # by id of module: those that run nn.Linear's own forward
         for module in layers.modules():
             if any(p is not None and trainable_leaf(p) and p.dim() >= 2 for p in module._parameters.values()):
+                if type(module).forward is nn.Linear.forward and "forward" not in module.__dict__:
+                    self._linears.add(id(module))
                 self._handles[id(module)] = (
                     module.register_forward_pre_hook(self._enter),
                     module.register_forward_hook(self._leave, prepend=True, always_call=True),
@@ -96,7 +120,36 @@ class WeightGrads:
             self._pays[key] = self._shape is None or split_pays(flops, conv, weight.device, *self._shape)
         return self._pays[key]
 
+    def _toggled(self, module: nn.Module, args: Any) -> _Toggled | None:
+        """A plain Linear's call outside the mode, where it is one addmm on an input that requires grad (else the
+        mode's): its parameters out of autograd for the call if its W defers."""
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+        x = args[0] if len(args) == 1 else None
+        if not (
+            type(x) is torch.Tensor
+            and x.requires_grad
+            and x.dim() >= 2
+            and (x.dim() == 2 or x.is_contiguous())
+            and torch.is_grad_enabled()
+            and weight is not None
+            and trainable_leaf(weight)
+            and (bias is None or trainable_leaf(bias))
+            and autocast_dtype(x.device.type) is None  # the mode casts as autocast does
+        ):
+            return None
+        defers = self._decide(weight, linear_weight_flops(x, weight), False)
+        if defers:
+            for p in (weight, bias):
+                if p is not None:
+                    p.requires_grad_(False)
+        return _Toggled(module, x, weight, bias, defers)
+
     def _enter(self, module: nn.Module, args: Any) -> None:
+        if self._mode is None and self._current is not None and id(module) in self._linears:
+            toggled = self._toggled(module, args)
+            if toggled is not None:
+                self._entered.append(toggled)
+                return
         mode = self._current if self._mode is None else None  # entered once, in the outermost module holding weights
         if mode is not None:
             self._mode = mode
@@ -105,6 +158,17 @@ class WeightGrads:
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         entered = self._entered.pop() if self._entered else None
+        if isinstance(entered, _Toggled):
+            if entered.defers:
+                for p in (entered.weight, entered.bias):
+                    if p is not None:
+                        p.requires_grad_(True)
+                if isinstance(output, torch.Tensor) and self._current is not None:  # None: the forward raised
+                    w = entered.weight.detach()
+                    keep_linear_grads(output, entered.x, entered.weight, entered.bias, w, self._current.sink)
+            if not self._told and self._shape is not None:
+                self._calls[id(module)] = self._calls.get(id(module), False) or entered.defers
+            return
         if entered is not None and self._mode is not None:
             if not self._told and self._shape is not None:  # without a shape nothing is removed: nothing to tell
                 key = id(entered[0])

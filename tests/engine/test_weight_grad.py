@@ -165,8 +165,9 @@ def test_a_mixed_model_split_under_bf16_autocast_is_autograds_backward_bit_for_b
 
 
 def test_the_mode_runs_inside_modules_holding_a_matrix_only() -> None:
-    """Activations, containers and norms (vectors) run without the mode, deferred BatchNorm with its own; Linear
-    inside it; every hook is gone after close()."""
+    """Activations, containers and norms (vectors) run without the mode, deferred BatchNorm with its own; a Linear on
+    an input without grad inside it; a plain Linear on an input with grad without it, its parameters out of autograd
+    for the call only; every hook is gone after close()."""
     from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
 
     seen: list[str] = []
@@ -177,16 +178,21 @@ def test_the_mode_runs_inside_modules_holding_a_matrix_only() -> None:
             return x
 
     def mode(name: str) -> Callable[..., None]:
-        return lambda m, a: seen.append(f"{name} {type(torch.overrides._get_current_function_mode()).__name__}")
+        def probe(m: nn.Module, a: tuple) -> None:
+            grads = "".join("+" if p.requires_grad else "-" for p in m.parameters())
+            seen.append(f"{name} {type(torch.overrides._get_current_function_mode()).__name__} {grads}")
+
+        return probe
 
     norm = convert_deferred_batch_norm(nn.BatchNorm1d(4))
     model = nn.Sequential(nn.Linear(4, 4), norm, Probe(), nn.LayerNorm(4), nn.Linear(4, 4))
     weights = WeightGrads(model)
-    for name, i in (("linear", 4), ("layernorm", 3)):
+    for name, i in (("first", 0), ("last", 4), ("layernorm", 3)):
         model[i].register_forward_pre_hook(mode(name))  # after the pre-hook that enters the mode
     with weights.deferring(0):
         y = model(torch.randn(6, 4))
-    assert seen == ["NoneType", "layernorm NoneType", "linear Deferring"]
+    assert seen == ["first Deferring ++", "NoneType", "layernorm NoneType ++", "last NoneType --"]
+    assert all(p.requires_grad for p in model.parameters())
     y.sum().backward()
     linears = [model[0], model[4]]  # the first on an input without grad, the second on one with it
     assert all(p.grad is None for lin in linears for p in lin.parameters()) and len(weights._pending[0]) == 2
@@ -195,4 +201,38 @@ def test_the_mode_runs_inside_modules_holding_a_matrix_only() -> None:
     assert all(p.grad is not None for p in model.parameters())
     assert torch.overrides._get_current_function_mode() is None
     assert not any(isinstance(h, type(weights._enter)) for m in model.modules() for h in m._forward_hooks.values())
-    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 3  # deferred BatchNorm's own, the probes
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 4  # deferred BatchNorm's own, the probes
+
+
+def test_a_linear_that_raises_gets_its_parameters_back_and_one_with_its_own_forward_runs_in_the_mode() -> None:
+    """The toggle is undone when the forward raises; a Linear subclass with a forward of its own, or an instance's
+    own forward, is not nn.Linear's one addmm: the mode routes its ops as it would any module's."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4), nn.Linear(4, 3))
+    split = copy.deepcopy(plain)
+    split[2].forward = split[2].forward  # an instance attribute, as a patched forward is
+    weights = WeightGrads(split)
+    with weights.deferring(0), pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        split[0](torch.randn(2, 5, requires_grad=True))
+    assert all(p.requires_grad for p in split.parameters())
+    modes: list[str] = []
+    for layer in split:
+        layer.register_forward_pre_hook(
+            lambda m, a: modes.append(type(torch.overrides._get_current_function_mode()).__name__)
+        )
+    x = torch.randn(6, 4)
+    plain(x).square().sum().backward()
+    with weights.deferring(0):
+        y = split(x.requires_grad_())
+    assert modes == ["NoneType", "Deferring", "Deferring"]
+    y.square().sum().backward()
+    assert all(p.grad is None for p in split.parameters())
+    weights.run(0)
+    weights.close()
+    for (n, p), q in zip(plain.named_parameters(), split.parameters()):
+        assert torch.equal(p.grad, q.grad), n
