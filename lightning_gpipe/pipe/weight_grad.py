@@ -29,10 +29,13 @@ from lightning_gpipe.pipe.split_ops import (
     trainable_leaf,
 )
 
-# What a split op costs its rank beyond its products on the CPU, in the multiply-adds a product does in that time on
-# one thread: the routing, the hooks, the kept tensors and W's closure take about 0.1 ms a linear there, a 6 MFLOP
-# product's time on a core of the benchmarks' machines (benchmarks/README.md, "zb-h1's split").
-HOST_FLOPS = 6e6
+# What a split op costs its rank beyond its products, in seconds: its hooks, the kept tensors, W's closure and the
+# accumulation of its results, and W's products run apart from I's; about 0.1 ms an op, measured on the CPU and on an
+# H100 (benchmarks/README.md, "zb-h1's split"): on a GPU the host does not run ahead of the device's small products.
+HOST_SECONDS = 1e-4
+# One CPU thread's multiply-adds a second on a matrix product (66-131 GFLOP/s at sizes 128-512 on the benchmarks'
+# machines); a GPU's come from its multiprocessors and clock (:func:`_gpu_flops`).
+CPU_THREAD_FLOPS = 1e11
 # A convolution's halves computed apart take about 0.2 of its backward more on the CPU, where oneDNN's one call
 # shares work between them: 0.4 of its W.
 CONV_EXTRA = 0.4
@@ -40,16 +43,38 @@ CONV_EXTRA = 0.4
 SPLIT_EVERY_OP = "LIGHTNING_GPIPE_SPLIT_EVERY_OP"
 
 
-def split_pays(flops: float, conv: bool, device: torch.device, K: int, M: int) -> bool:
-    """Whether deferring one op's weight gradient (W, ``flops`` multiply-adds a micro-batch) shortens a zb-h1 step
-    on K ranks and M micro-batches. Moving time t out of every I of the ranks that split shortens the step by
-    2(K − 1)·t (the simulated step is linear in it: ``tests/engine/test_split_pays.py``), while those ranks pay
-    the split's host work on each of their M micro-batches. On a GPU the host runs ahead of the device, so every op
-    splits; on the CPU an op splits when its W outweighs that cost (a convolution's, its dearer halves too)."""
-    if device.type != "cpu" or os.environ.get(SPLIT_EVERY_OP, "") not in ("", "0"):
+def _gpu_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """A GPU's multiply-adds a second on a matrix product in ``dtype``: its FP32 units' peak (128 fused multiply-adds
+    per multiprocessor and clock), 16 times that on the tensor cores of float16 and bfloat16 (8 times before
+    Ampere, and for TF32 where matmuls may use it): an estimate from the device's properties, the same on every
+    replica, where a timing would differ and the replicas would split differently."""
+    props = torch.cuda.get_device_properties(device)
+    clock_hz = getattr(props, "clock_rate", 1_500_000) * 1e3  # kHz
+    fp32 = props.multi_processor_count * clock_hz * 128 * 2
+    if dtype in (torch.float16, torch.bfloat16):
+        return fp32 * (16 if props.major >= 8 else 8)
+    if dtype == torch.float32 and props.major >= 8 and torch.backends.cuda.matmul.allow_tf32:
+        return fp32 * 8
+    return fp32 / 2 if dtype == torch.float64 else fp32
+
+
+def split_pays(
+    flops: float, conv: bool, device: torch.device, K: int, M: int, dtype: torch.dtype = torch.float32
+) -> bool:
+    """Whether deferring one op's weight gradient (W, ``flops`` multiply-adds a micro-batch, in ``dtype``) shortens
+    a zb-h1 step on K ranks and M micro-batches. Moving time t out of every I of the ranks that split shortens the
+    step by 2(K − 1)·t (the simulated step is linear in it: ``tests/engine/test_split_pays.py``), while those ranks
+    pay the split's cost (``HOST_SECONDS``) on each of their M micro-batches: an op splits when its W's time
+    outweighs it, a convolution's on the CPU net of its dearer halves. On a GPU as on the CPU: small products
+    leave the host no time to run ahead of the device."""
+    if os.environ.get(SPLIT_EVERY_OP, "") not in ("", "0"):
         return True
-    t_w = flops / torch.get_num_threads()  # in one-thread multiply-adds, as HOST_FLOPS
-    return t_w * (2 * (K - 1) - M * CONV_EXTRA * conv) > M * HOST_FLOPS
+    if device.type == "cuda":
+        t_w = flops / _gpu_flops(device, dtype)
+    else:
+        t_w = flops / (CPU_THREAD_FLOPS * torch.get_num_threads())
+    extra = M * CONV_EXTRA if conv and device.type != "cuda" else 0.0
+    return t_w * (2 * (K - 1) - extra) > M * HOST_SECONDS
 
 
 class _Toggled(NamedTuple):
@@ -117,7 +142,8 @@ class WeightGrads:
     def _decide(self, weight: torch.Tensor, flops: float, conv: bool) -> bool:
         key = id(weight)
         if key not in self._pays:
-            self._pays[key] = self._shape is None or split_pays(flops, conv, weight.device, *self._shape)
+            dtype = autocast_dtype(weight.device.type) or weight.dtype  # the products' dtype
+            self._pays[key] = self._shape is None or split_pays(flops, conv, weight.device, *self._shape, dtype)
         return self._pays[key]
 
     def _toggled(self, module: nn.Module, args: Any) -> _Toggled | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -10,28 +11,51 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage, weight_grad
-from lightning_gpipe.pipe.weight_grad import CONV_EXTRA, HOST_FLOPS, SPLIT_EVERY_OP, WeightGrads, split_pays
+from lightning_gpipe.pipe.weight_grad import (
+    CONV_EXTRA,
+    CPU_THREAD_FLOPS,
+    HOST_SECONDS,
+    SPLIT_EVERY_OP,
+    WeightGrads,
+    split_pays,
+)
 from tests.helpers.launch import run_distributed
 
 
-def test_split_pays_where_the_w_it_moves_outweighs_the_hosts_cost_of_the_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU: a linear splits when 2(K − 1)·t_W exceeds M times the host's cost per op (in one-thread
-    multiply-adds), a convolution when what remains after its dearer halves does; on a GPU every op; and every op
-    where SPLIT_EVERY_OP is set."""
+def test_split_pays_where_the_w_it_moves_outweighs_the_split_s_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op splits when 2(K − 1)·t_W exceeds M times the split's cost per op, t_W from the device's rate in the
+    products' dtype (the CPU's threads; a GPU's multiprocessors and clock, its tensor cores for bf16 and TF32); a
+    convolution on the CPU when what remains after its dearer halves does; every op where SPLIT_EVERY_OP is set."""
     monkeypatch.delenv(SPLIT_EVERY_OP, raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    edge = 8 * HOST_FLOPS / 2  # K = 2, M = 8: a linear's W must exceed 4 × HOST_FLOPS
+    cpu = torch.device("cpu")
+    edge = 8 * HOST_SECONDS * CPU_THREAD_FLOPS / 2  # K = 2, M = 8: a linear's W must exceed 4 × the split's cost
     assert split_pays(edge * 1.01, False, cpu, 2, 8) and not split_pays(edge * 0.99, False, cpu, 2, 8)
     assert split_pays(edge * 0.99, False, cpu, 4, 8)  # 2(K − 1) = 6: a third of it pays at K = 4
-    assert not split_pays(1e12, True, cpu, 2, 8)  # 2 − 8 × CONV_EXTRA < 0: no convolution pays at K = 2, M = 8
-    conv_edge = 8 * HOST_FLOPS / (2 * 7 - 8 * CONV_EXTRA)
+    assert not split_pays(1e15, True, cpu, 2, 8)  # 2 − 8 × CONV_EXTRA < 0: no convolution pays at K = 2, M = 8
+    conv_edge = 8 * HOST_SECONDS * CPU_THREAD_FLOPS / (2 * 7 - 8 * CONV_EXTRA)
     assert split_pays(conv_edge * 1.01, True, cpu, 8, 8) and not split_pays(conv_edge * 0.99, True, cpu, 8, 8)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # the same W in a quarter of the time
     assert not split_pays(edge * 1.01, False, cpu, 2, 8) and split_pays(edge * 4.04, False, cpu, 2, 8)
-    assert split_pays(1.0, False, gpu, 2, 8) and split_pays(1.0, True, gpu, 2, 8)
+    # An H100's properties: 132 multiprocessors at 1.98 GHz, 67 TFLOP/s on its FP32 units.
+    props = SimpleNamespace(multi_processor_count=132, clock_rate=1_980_000, major=9)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    gpu = torch.device("cuda", 0)
+    gpu_edge = 8 * HOST_SECONDS * (132 * 1.98e9 * 256) / 2
+    assert split_pays(gpu_edge * 1.01, False, gpu, 2, 8) and not split_pays(gpu_edge * 0.99, False, gpu, 2, 8)
+    assert split_pays(gpu_edge * 1.01, True, gpu, 2, 8)  # cuDNN computes the halves apart anyway
+    bf16 = torch.bfloat16
+    assert not split_pays(gpu_edge * 15.9, False, gpu, 2, 8, bf16) and split_pays(
+        gpu_edge * 16.1, False, gpu, 2, 8, bf16
+    )
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # a property of torch's (monkeypatch cannot undo it)
+    try:
+        assert not split_pays(gpu_edge * 7.9, False, gpu, 2, 8) and split_pays(gpu_edge * 8.1, False, gpu, 2, 8)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
     monkeypatch.setenv(SPLIT_EVERY_OP, "1")
-    assert split_pays(1.0, True, cpu, 2, 8)
+    assert split_pays(1.0, True, cpu, 2, 8) and split_pays(1.0, False, gpu, 2, 8)
 
 
 class BigAndSmall(nn.Module):
@@ -55,7 +79,8 @@ def test_with_a_shape_only_the_ops_that_pay_split_and_the_others_lose_their_hook
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     rows = 5 * 7
     small_w, big_w = 2 * rows * 8 * 8, 2 * rows * 8 * 512
-    monkeypatch.setattr(weight_grad, "HOST_FLOPS", (small_w + big_w) / 2 * 2 / 3)  # K = 2, M = 3: gain 2 / 3
+    host = (small_w + big_w) / 2 * 2 / 3 / CPU_THREAD_FLOPS  # K = 2, M = 3: gain 2 / 3
+    monkeypatch.setattr(weight_grad, "HOST_SECONDS", host)
     torch.manual_seed(0)
     plain = BigAndSmall().double()
     split = copy.deepcopy(plain)
@@ -86,7 +111,7 @@ def _stage_worker(rank: int, world_size: int, host_flops: float) -> dict[str, An
     import os
 
     os.environ.pop(SPLIT_EVERY_OP, None)
-    weight_grad.HOST_FLOPS = host_flops
+    weight_grad.HOST_SECONDS = host_flops / CPU_THREAD_FLOPS
     torch.set_num_threads(1)
     ran: list[int] = []
     decided: list[tuple[int, int]] = []
@@ -119,7 +144,7 @@ def _stage_worker(rank: int, world_size: int, host_flops: float) -> dict[str, An
 
 @pytest.mark.timeout(120)
 def test_the_engine_splits_only_what_pays_and_is_the_same_run_as_1f1b() -> None:
-    """With the host's cost between the small and the big linear's W (K = 2, M = 4: 2(K − 1)·t_W > M·HOST_FLOPS),
+    """With the host's cost between the small and the big linear's W (K = 2, M = 4: 2(K − 1)·t_W > M·HOST_SECONDS),
     rank 1 defers the big projection's W in every split micro-batch and nothing else; gradients are 1F1B's bit for
     bit. With the cost above both, nothing splits, and zb-h1 still runs as 1F1B does."""
     rows = 2 * 7  # a micro-batch of the first step: 2 samples × 7
