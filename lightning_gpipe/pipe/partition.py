@@ -144,6 +144,9 @@ def costs_by_time(
 ) -> list[float]:
     """c_i = median seconds of layer i's forward + backward on `sample`, fed through the preceding layers.
 
+    The layers are timed in sweeps, each running every layer once in order (``warmup`` sweeps first, untimed), and
+    each layer's cost is its median over the ``repeat`` timed sweeps: a slow spell of the machine then falls on one
+    sweep of every layer, not on every run of a few layers, which would tilt the cut towards them.
     With ``device``, each layer is moved there for its timing and back afterwards, so a model too large for one
     device can still be profiled on it. Leaves the module as it found it: buffers (BatchNorm statistics), .grad,
     devices and the RNG streams are restored.
@@ -166,20 +169,19 @@ def costs_by_time(
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     params = list(module.parameters())
     grads = [p.grad for p in params]
-    costs: list[float] = []
+    times: list[list[float]] = [[] for _ in module]
     layer, home = None, None
     try:
         # Profiling must not shift the caller's random streams (dropout), or a 'time' run would train differently.
         with torch.random.fork_rng(devices=cuda), torch.enable_grad(), skips.profiling(_as_input):
             for p in params:
                 p.grad = None
-            x = sample
-            for layer in module:
-                home = _home(layer)
-                if device is not None and home is not None:
-                    layer.to(device)
-                times = []
-                for run in range(warmup + repeat):
+            for sweep in range(warmup + repeat):
+                x = sample
+                for i, layer in enumerate(module):
+                    home = _home(layer)
+                    if device is not None and home is not None:
+                        layer.to(device)
                     inputs = tree_map(_as_input, x)
                     sync()
                     start = time.perf_counter()
@@ -192,16 +194,15 @@ def costs_by_time(
                         # One scalar per output rather than a single sum: outputs may differ in device and dtype.
                         torch.autograd.backward([t.sum() for t in grad_outs])
                     sync()
-                    if run >= warmup:
-                        times.append(time.perf_counter() - start)
-                costs.append(statistics.median(times))
-                x = detached(out)
-                # The gradients are a by-product; dropping them keeps peak memory at one layer's worth.
-                for p in layer.parameters():
-                    p.grad = None
-                if device is not None and home is not None:
-                    layer.to(home)
-                layer = None
+                    if sweep >= warmup:
+                        times[i].append(time.perf_counter() - start)
+                    x = detached(out)
+                    # The gradients are a by-product; dropping them keeps peak memory at one layer's worth.
+                    for p in layer.parameters():
+                        p.grad = None
+                    if device is not None and home is not None:
+                        layer.to(home)
+                    layer = None
     finally:
         if layer is not None and device is not None and home is not None:
             layer.to(home)
@@ -211,7 +212,7 @@ def costs_by_time(
                     b.copy_(buffers[name])
         for p, g in zip(params, grads, strict=True):
             p.grad = g
-    return costs
+    return [statistics.median(t) for t in times]
 
 
 def costs_by_flops(module: nn.Sequential, sample: Any) -> list[float]:
