@@ -22,6 +22,10 @@ why no public API does it:
   action hands it every weight of the stage, once per micro-batch); the engine still checks each gradient's shape,
   dtype and device. ``torch.autograd.backward`` has no way to skip that pass.
 
+- ``saved_tensors_pack_hook``: ``torch._C._autograd._top_saved_tensors_default_hooks``, the pack hook of the
+  innermost ``saved_tensors_hooks`` in effect: zb-h1's split must not change what autograd saves under
+  ``torch.utils.checkpoint``'s non-reentrant forward, whose recompute checks it; torch exposes no getter.
+
 Not counted, and pinned by the same test: ``Module._modules``, ``_parameters``, ``_buffers``, ``_forward_pre_hooks``
 and ``_forward_hooks``, the dicts every ``nn.Module`` method reads and writes (replacing a layer or a buffer under its
 name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_coalesced`` is the strategy's, in
@@ -30,7 +34,7 @@ name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +49,7 @@ __all__ = [
     "forward_hooks_always_called",
     "keystr",
     "profiler_enabled",
+    "saved_tensors_pack_hook",
     "storage_key",
     "tree_flatten",
     "tree_flatten_with_path",
@@ -78,3 +83,9 @@ def accumulate_grads(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     """``torch.autograd.backward(leaves, grads)`` for leaves and gradients of their shapes: into ``.grad`` as autograd
     accumulates, their hooks fired."""
     _engine_run_backward(tuple(leaves), tuple(grads), False, False, (), True, True)
+
+
+def saved_tensors_pack_hook() -> Callable[[torch.Tensor], Any] | None:
+    """The pack hook of the innermost ``torch.autograd.graph.saved_tensors_hooks`` in effect, or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if hooks is None else hooks[0]

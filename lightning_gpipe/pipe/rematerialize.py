@@ -39,7 +39,8 @@ def recomputing() -> Iterator[None]:
         _local.recomputing = previous
 
 
-def _drop(tensor: torch.Tensor) -> None:
+def drop(tensor: torch.Tensor) -> None:
+    """The pack hook of :func:`discarded_graph`: nothing is saved."""
     return None
 
 
@@ -51,7 +52,7 @@ def _never_unpacked(packed: None) -> torch.Tensor:
 def discarded_graph() -> Iterator[None]:
     """Grad enabled, as in the recompute, but autograd keeps no tensor for a backward (as torch.utils.checkpoint's
     non-reentrant forward does)."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(drop, _never_unpacked):
         yield
 
 

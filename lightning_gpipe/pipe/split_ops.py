@@ -24,9 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from lightning_gpipe.pipe import rematerialize
+from lightning_gpipe.pipe._torch_internals import saved_tensors_pack_hook
+
 # One deferred weight gradient: computes (parameter, its gradient) pairs when W runs.
 Closure = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
 _CONVS = (F.conv1d, F.conv2d, F.conv3d)
+
+
+def saves_as_autograd() -> bool:
+    """Whether autograd saves tensors as it does by itself here, or only under the engine's forward that saves
+    nothing (``rematerialize.discarded_graph``). Under anyone else's ``saved_tensors_hooks`` an op is not split: the
+    non-reentrant ``torch.utils.checkpoint`` recomputes its forward in backward, outside the split, and checks that
+    the recompute saves what the forward saved, which a split op does not."""
+    hook = saved_tensors_pack_hook()
+    return hook is None or hook is rematerialize.drop
 
 
 def trainable_leaf(t: Any) -> bool:
@@ -330,6 +342,7 @@ class Deferring(TorchFunctionMode):
                     and (b is None or trainable_leaf(b))
                     and isinstance(x, torch.Tensor)
                     and x.dim() >= 2  # a vector input runs as a matrix-vector product
+                    and saves_as_autograd()
                     and self.decide(w, linear_weight_flops(x, w), False)
                 ):
                     self.routed += 1
@@ -346,6 +359,7 @@ class Deferring(TorchFunctionMode):
                     and isinstance(x, torch.Tensor)
                     and x.dim() == w.dim()  # batched input (convolution_backward's shapes)
                     and not isinstance(geometry[1], str)  # padding="same" pads unevenly outside convolution
+                    and saves_as_autograd()
                     and self.decide(w, _conv_weight_flops(x, w, geometry[0]), True)
                 ):
                     self.routed += 1
@@ -365,6 +379,7 @@ class Deferring(TorchFunctionMode):
                     and not sparse
                     and isinstance(ids, torch.Tensor)
                     and (padding_idx is None or -w.shape[0] <= padding_idx < w.shape[0])  # else F.embedding raises
+                    and saves_as_autograd()
                     and self.decide(w, float(ids.numel() * w.shape[-1]), False)
                 ):
                     self.routed += 1

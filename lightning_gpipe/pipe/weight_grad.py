@@ -26,6 +26,7 @@ from lightning_gpipe.pipe.split_ops import (
     autocast_dtype,
     keep_linear_grads,
     linear_weight_flops,
+    saves_as_autograd,
     trainable_leaf,
 )
 
@@ -163,7 +164,7 @@ class WeightGrads:
             and autocast_dtype(x.device.type) is None  # the mode casts as autocast does
         ):
             return None
-        defers = self._decide(weight, linear_weight_flops(x, weight), False)
+        defers = saves_as_autograd() and self._decide(weight, linear_weight_flops(x, weight), False)
         if defers:
             for p in (weight, bias):
                 if p is not None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.errors import PipelineError
@@ -248,6 +249,18 @@ class Scale(nn.Module):
         return x * self.g
 
 
+class OwnCheckpoint(nn.Module):
+    """A bias-free linear, then a linear under the model's own non-reentrant ``torch.utils.checkpoint``, whose
+    recompute (in backward, outside zb-h1's split) must save what its forward saved: it does not split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.inner = nn.Linear(models.D, models.D, bias=False), nn.Linear(models.D, models.D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda t: torch.tanh(self.inner(t)), self.lin(x), use_reentrant=False)
+
+
 def mixed(dropout: float) -> nn.Sequential:
     D = models.D
     return nn.Sequential(
@@ -256,7 +269,7 @@ def mixed(dropout: float) -> nn.Sequential:
         Conv(),
         Scale(),
         nn.Sequential(nn.Linear(D, D), nn.Dropout(dropout)),
-        nn.Linear(D, D, bias=False),
+        OwnCheckpoint(),
     )
 
 
@@ -304,10 +317,10 @@ def plain_mixed_grads() -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("K", [2, 3])
 @pytest.mark.timeout(120)
 def test_zb_h1_defers_linear_conv_and_embedding_weight_gradients_and_is_the_same_run(K: int) -> None:
-    """Embedding, Linear, LayerNorm, Conv1d, a custom parameter, dropout: zb-h1's gradients (W for the split ops, I
-    for the others) are 1F1B's bit for bit, with the same dropout masks (recomputed: ``always``), and the plain
-    model's (≤ 1e-6); every parameter's hook fires once per micro-batch, as under 1F1B; I and W are traced apart
-    (rank 0, whose W's follow their I's, runs plain backwards)."""
+    """Embedding, Linear, LayerNorm, Conv1d, a custom parameter, dropout, the model's own checkpoint: zb-h1's
+    gradients (W for the split ops, I for the others) are 1F1B's bit for bit, with the same dropout masks
+    (recomputed: ``always``), and the plain model's (≤ 1e-6); every parameter's hook fires once per micro-batch, as
+    under 1F1B; I and W are traced apart (rank 0, whose W's follow their I's, runs plain backwards)."""
     plain = plain_mixed_grads()
     for rank, (got, one_f_one_b, no_dropout) in enumerate(run_distributed(mixed_worker, K, timeout=100)):
         if rank == 0:  # each W right after its I: run as one backward (fuse_halves)

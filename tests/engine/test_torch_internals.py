@@ -102,6 +102,28 @@ def test_accumulate_grads_is_autograds_backward_on_leaves() -> None:
         internals.accumulate_grads([p], [torch.ones(3, 2)])
 
 
+def test_saved_tensors_pack_hook_is_the_innermost_in_effect() -> None:
+    """None outside any ``saved_tensors_hooks``; the innermost pack hook inside, torch.utils.checkpoint's own in its
+    non-reentrant forward (zb-h1 does not split there)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def outer(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def inner(t: torch.Tensor) -> int:
+        return 0
+
+    assert internals.saved_tensors_pack_hook() is None
+    with torch.autograd.graph.saved_tensors_hooks(outer, outer):
+        assert internals.saved_tensors_pack_hook() is outer
+        with torch.autograd.graph.saved_tensors_hooks(inner, outer):
+            assert internals.saved_tensors_pack_hook() is inner
+        assert internals.saved_tensors_pack_hook() is outer
+    seen = []
+    checkpoint(lambda t: seen.append(internals.saved_tensors_pack_hook()) or t * 2, torch.ones(2), use_reentrant=False)
+    assert seen[0] is not None and seen[0].__qualname__.startswith("_checkpoint_hook")
+
+
 def test_module_slots_are_the_dicts_module_methods_use() -> None:
     """Not routed through the module, used directly: ``_modules``, ``_parameters``, ``_buffers`` and the hook dicts."""
     net = nn.Sequential(nn.BatchNorm1d(2))

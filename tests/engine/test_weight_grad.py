@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_gpipe.pipe.weight_grad import WeightGrads
 from tests.engine.test_forward_backward import mixed
@@ -232,6 +233,41 @@ def test_a_linear_that_raises_gets_its_parameters_back_and_one_with_its_own_forw
     assert modes == ["NoneType", "Deferring", "Deferring"]
     y.square().sum().backward()
     assert all(p.grad is None for p in split.parameters())
+    weights.run(0)
+    weights.close()
+    for (n, p), q in zip(plain.named_parameters(), split.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+class Checkpointed(nn.Module):
+    """Two linears under the model's own ``torch.utils.checkpoint`` (its recompute runs in backward, outside the
+    split), after a linear outside it."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.before, self.a, self.b, self.reentrant = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 5), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = lambda t: self.b(torch.tanh(self.a(t)))  # noqa: E731
+        return checkpoint(inner, torch.tanh(self.before(x)), use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_models_own_checkpoint_is_left_to_autograd(reentrant: bool) -> None:
+    """Inside the non-reentrant checkpoint's forward nothing splits (its recompute, in backward, checks that it saves
+    what the forward saved); the reentrant one's forward runs without grad, its recompute and backward in backward,
+    outside the split. The linear before it splits; the gradients are autograd's bit for bit."""
+    torch.manual_seed(0)
+    plain = Checkpointed(reentrant).double()
+    split = copy.deepcopy(plain)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    plain(x.requires_grad_()).square().sum().backward()
+    weights = WeightGrads(split)
+    with weights.deferring(0):
+        y = split(x.detach().requires_grad_())
+    y.square().sum().backward()
+    assert len(weights._pending[0]) == 1  # the linear before the checkpoint
+    assert split.before.weight.grad is None and split.a.weight.grad is not None
     weights.run(0)
     weights.close()
     for (n, p), q in zip(plain.named_parameters(), split.parameters()):
