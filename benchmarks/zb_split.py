@@ -3,8 +3,9 @@
 # At K = 2 only the last rank splits its backwards ("zb-h1" fuses I and W where nobody waits for the input gradient),
 # so its step is that rank's F + I + W per micro-batch where 1F1B's is F + B. One process, one thread: the last
 # stage's layers of overhead.py's K = 2 balance, one micro-batch (batch / M samples), three passes alternating round
-# by round (their order too): plain; split as the engine splits at K = 2 and M (only the ops whose W pays for the
-# split, ``weight_grad.split_pays``); and every op split. Gradients accumulate as in micro-batches 1 … M−1 of a step.
+# by round, in each of their six orders by turns: plain; split as the engine splits at K = 2 and M (only the ops
+# whose W pays for the split, ``weight_grad.split_pays``); and every op split. Gradients accumulate as in
+# micro-batches 1 … M−1 of a step.
 # Profiled rounds of each, alternating, give the matrix products' time (aten::mm, the convolutions' backward): the
 # same products, in I and W or in B. `python -m benchmarks.zb_split` (about 2 min on 2 cores; `--smoke`: small
 # models, seconds; `--out-dir DIR`; `--device cuda`: the passes on a GPU, each part timed between synchronizations,
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -97,8 +99,11 @@ def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int, devi
     (pays, weights), (every, _) = split((2, M)), split(None)
     passes = {"plain": plain, "split": pays, "every": every}
     times: dict[str, list[dict[str, float]]] = {key: [] for key in passes}
+    # The VM's speed drifts: the passes alternate, in each of their six orders by turns, so that each follows each
+    # other as often (a pass runs slower after one that held more memory: two orders alone favoured one pass).
+    orders = list(itertools.permutations(passes))
     for r in range(warmup + rounds):
-        for key in passes if r % 2 else reversed(passes):  # the VM's speed drifts: alternate, and the order too
+        for key in orders[r % len(orders)]:
             t = passes[key]()
             if r >= warmup:
                 times[key].append(t)
@@ -167,7 +172,8 @@ def main() -> None:
     md += [f"- Sizes: {'; '.join(row['sizes'] for row in rows)}"]
     md += [
         f"- M = {args.micro_batches}: one micro-batch of batch / M samples; {rounds} rounds, the three passes "
-        "alternating (plain; split where it pays at K = 2, as the engine splits; every op split); medians; the "
+        "alternating in each of their six orders by turns (plain; split where it pays at K = 2, as the engine "
+        "splits; every op split); medians; the "
         "matrix products' self time from torch's profiler in a third as many rounds, "
         "alternating too (the paired ratio's median)",
         "",
