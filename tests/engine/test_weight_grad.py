@@ -272,3 +272,23 @@ def test_a_models_own_checkpoint_is_left_to_autograd(reentrant: bool) -> None:
     weights.close()
     for (n, p), q in zip(plain.named_parameters(), split.parameters()):
         assert torch.equal(p.grad, q.grad), n
+
+
+def test_the_engines_own_forward_that_saves_nothing_still_splits() -> None:
+    """Under ``rematerialize.discarded_graph`` (a checkpointed micro-batch's first forward on a GPU: grad on, nothing
+    saved) the ops route as in any forward with a graph, so the step's first forward tells which modules split: a
+    module judged not to route there would lose its hooks, and zb-h1 would run as 1F1B."""
+    from lightning_gpipe.pipe.rematerialize import discarded_graph
+    from lightning_gpipe.pipe.split_ops import saves_as_autograd
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    weights = WeightGrads(model, (2, 3))
+    x = torch.randn(5, 4, requires_grad=True)
+    with discarded_graph():
+        assert saves_as_autograd()
+        with weights.deferring(0):
+            model(x)
+    assert weights._told and all(weights._calls.values()) and len(weights._handles) == 2
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not saves_as_autograd()
+    weights.close()
