@@ -3,7 +3,7 @@
 While a micro-batch of a split schedule runs forward (or is recomputed), the torch-function mode :class:`Deferring`,
 entered by ``weight_grad.WeightGrads`` inside the modules that hold parameters, routes ``F.linear``,
 ``F.conv1d/2d/3d`` and ``F.embedding`` whose weight is a trainable leaf, and whose W its ``decide`` says to defer (from
-W's multiply-adds), through an autograd function of the same op.
+W's operations), through an autograd function of the same op.
 Its backward (in I, the input-gradient half) computes the input gradient only, and appends to micro-batch m's list a
 closure that computes the weight gradients (W) from the kept (input, output gradient), with the formulas autograd
 uses. No module is swapped: the layers run their own forward. Every other parameter (norms, custom ones, a weight
@@ -158,7 +158,8 @@ def _on_node(y: torch.Tensor, keep: Callable[[tuple[torch.Tensor, ...]], None]) 
 
 
 def linear_weight_flops(x: torch.Tensor, weight: torch.Tensor) -> float:
-    """The multiply-adds of a linear's weight gradient on input ``x``: 2 per weight element and input row."""
+    """The floating-point operations of a linear's weight gradient on input ``x``: 2 per weight element and input
+    row."""
     return 2.0 * x.numel() / max(1, x.shape[-1]) * weight.numel()
 
 
@@ -304,7 +305,7 @@ def _bind(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) ->
     return values[: len(names)]
 
 
-# Decides, per weight, whether its ops defer their weight gradients: (weight, W's multiply-adds per call,
+# Decides, per weight, whether its ops defer their weight gradients: (weight, W's operations per call,
 # whether the op is a convolution) -> bool. The split ops call it before routing an op.
 Decide = Callable[[torch.Tensor, float, bool], bool]
 
@@ -393,6 +394,7 @@ class Deferring(TorchFunctionMode):
 
 
 def _conv_weight_flops(x: torch.Tensor, w: torch.Tensor, stride: Any) -> float:
-    """About the multiply-adds of a convolution's weight gradient: 2 per weight element and output position."""
+    """About the floating-point operations of a convolution's weight gradient: 2 per weight element and output
+    position."""
     positions = math.prod(x.shape[2:]) / max(1, math.prod(_as_list(stride, w.dim() - 2)))  # shapes only: no op
     return 2.0 * x.shape[0] * positions * w.numel()

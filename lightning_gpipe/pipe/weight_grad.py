@@ -34,8 +34,8 @@ from lightning_gpipe.pipe.split_ops import (
 # accumulation of its results, and W's products run apart from I's; about 0.1 ms an op, measured on the CPU and on an
 # H100 (benchmarks/README.md, "zb-h1's split"): on a GPU the host does not run ahead of the device's small products.
 HOST_SECONDS = 1e-4
-# One CPU thread's multiply-adds a second on a matrix product (66-131 GFLOP/s at sizes 128-512 on the benchmarks'
-# machines); a GPU's come from its multiprocessors and clock (:func:`_gpu_flops`).
+# One CPU thread's floating-point operations a second on a matrix product, two a multiply-add (66-131 GFLOP/s at
+# sizes 128-512 on the benchmarks' machines); a GPU's come from its multiprocessors and clock (:func:`_gpu_flops`).
 CPU_THREAD_FLOPS = 1e11
 # A convolution's halves computed apart take about 0.2 of its backward more on the CPU, where oneDNN's one call
 # shares work between them: 0.4 of its W.
@@ -45,10 +45,10 @@ SPLIT_EVERY_OP = "LIGHTNING_GPIPE_SPLIT_EVERY_OP"
 
 
 def _gpu_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """A GPU's multiply-adds a second on a matrix product in ``dtype``: its FP32 units' peak (128 fused multiply-adds
-    per multiprocessor and clock), 16 times that on the tensor cores of float16 and bfloat16 (8 times before
-    Ampere, and for TF32 where matmuls may use it): an estimate from the device's properties, the same on every
-    replica, where a timing would differ and the replicas would split differently."""
+    """A GPU's floating-point operations a second on a matrix product in ``dtype``: its FP32 units' peak (128 fused
+    multiply-adds, two operations each, per multiprocessor and clock), 16 times that on the tensor cores of float16
+    and bfloat16 (8 times before Ampere, and for TF32 where matmuls may use it): an estimate from the device's
+    properties, the same on every replica, where a timing would differ and the replicas would split differently."""
     props = torch.cuda.get_device_properties(device)
     clock_hz = getattr(props, "clock_rate", 1_500_000) * 1e3  # kHz
     fp32 = props.multi_processor_count * clock_hz * 128 * 2
@@ -62,7 +62,7 @@ def _gpu_flops(device: torch.device, dtype: torch.dtype) -> float:
 def split_pays(
     flops: float, conv: bool, device: torch.device, K: int, M: int, dtype: torch.dtype = torch.float32
 ) -> bool:
-    """Whether deferring one op's weight gradient (W, ``flops`` multiply-adds a micro-batch, in ``dtype``) shortens
+    """Whether deferring one op's weight gradient (W, ``flops`` operations a micro-batch, in ``dtype``) shortens
     a zb-h1 step on K ranks and M micro-batches. Moving time t out of every I of the ranks that split shortens the
     step by 2(K − 1)·t (the simulated step is linear in it: ``tests/engine/test_split_pays.py``), while those ranks
     pay the split's cost (``HOST_SECONDS``) on each of their M micro-batches: an op splits when its W's time
