@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,19 @@ from lightning_gpipe.pipe._torch_internals import saved_tensors_pack_hook
 
 # One deferred weight gradient: computes (parameter, its gradient) pairs when W runs.
 Closure = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+class Deferred(NamedTuple):
+    """One split op's W: the parameters its closure computes gradients for, and the closure."""
+
+    params: tuple[torch.Tensor, ...]
+    compute: Closure
+
+
+def _deferred(weight: torch.Tensor, bias: torch.Tensor | None, compute: Closure) -> Deferred:
+    return Deferred((weight,) if bias is None else (weight, bias), compute)
+
+
 _CONVS = (F.conv1d, F.conv2d, F.conv3d)
 
 
@@ -134,7 +147,7 @@ class _Linear(torch.autograd.Function):
                 out.append((bias, _as(gb, wc)))  # under autocast the bias is cast as the weight is
             return out
 
-        sink.append(closure)
+        sink.append(_deferred(weight, bias, closure))
         return gx, None, None
 
 
@@ -169,7 +182,7 @@ def keep_linear_grads(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     wc: torch.Tensor,
-    sink: list[Closure],
+    sink: list[Deferred],
 ) -> None:
     """On the node of ``y`` = F.linear(``x``, ``wc``, bias) run with the weight outside autograd (``wc``: it as the op
     used it), a hook that keeps the output gradient and appends W's closure to ``sink``: the gradients of ``weight``
@@ -186,13 +199,13 @@ def keep_linear_grads(
                 out.append((bias, _as(g2.sum(0), wc)))
             return out
 
-        sink.append(closure)
+        sink.append(_deferred(weight, bias, closure))
 
     _on_node(y, keep)
 
 
 def _linear_hooked(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: list[Closure], dtype: torch.dtype | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: list[Deferred], dtype: torch.dtype | None
 ) -> torch.Tensor:
     """F.linear with the parameters detached, so that autograd's own addmm backward computes the input gradient
     alone, in C++; a hook on the output keeps its gradient for W's closure (:func:`keep_linear_grads`). The cheap
@@ -235,7 +248,7 @@ class _Conv(torch.autograd.Function):
             _, gw, gb = torch.ops.aten.convolution_backward(g, xc, wc, bias_sizes, *geometry, mask)
             return [(weight, _as(gw, wc))] + ([(bias, _as(gb, wc))] if bias is not None else [])
 
-        sink.append(closure)
+        sink.append(_deferred(weight, bias, closure))
         return gx, None, None
 
 
@@ -243,7 +256,7 @@ def _conv_hooked(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    sink: list[Closure],
+    sink: list[Deferred],
     dtype: torch.dtype | None,
     fn: Callable[..., torch.Tensor],
     geometry: tuple,
@@ -268,7 +281,7 @@ def _conv_hooked(
             _, gw, gb = torch.ops.aten.convolution_backward(g, x_kept, wc, bias_sizes, *full, mask)
             return [(weight, _as(gw, wc))] + ([(bias, _as(gb, wc))] if bias is not None else [])
 
-        sink.append(closure)
+        sink.append(_deferred(weight, bias, closure))
 
     _on_node(y, keep)
     return y
@@ -292,7 +305,7 @@ class _Embedding(torch.autograd.Function):
         def closure() -> list[tuple[torch.Tensor, torch.Tensor]]:
             return [(weight, torch.ops.aten.embedding_backward(g, ids, weight.shape[0], padding_idx, scale, False))]
 
-        sink.append(closure)
+        sink.append(_deferred(weight, None, closure))
         return None, None, None
 
 
@@ -318,7 +331,7 @@ class Deferring(TorchFunctionMode):
     """Routes the ops this module splits, while grad is on and their weight is a trainable leaf that ``decide``
     defers; the rest as is. ``routed`` counts the ops routed."""
 
-    def __init__(self, sink: list[Closure], decide: Decide = _always) -> None:
+    def __init__(self, sink: list[Deferred], decide: Decide = _always) -> None:
         super().__init__()
         self.sink = sink
         self.decide = decide

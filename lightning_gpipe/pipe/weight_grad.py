@@ -2,7 +2,7 @@
 
 As Megatron-LM's and DualPipe's ``WeightGradStore``: while a micro-batch of a split schedule ("zb-h1") runs forward
 (or is recomputed), the split ops (``split_ops``) compute each op's input gradient in I and keep (input, output
-gradient) in a closure for micro-batch m; W m runs m's closures and accumulates the results with the autograd
+gradient) in a closure for micro-batch m; W m runs m's closures and accumulates each one's results with the autograd
 engine (``torch.autograd.backward``'s) on the parameters themselves, so that ``.grad`` sums exactly as autograd sums
 it and the parameters' hooks fire once, at W. An op splits only where the W it moves pays for the split's host
 work (:func:`split_pays`).
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_gpipe.pipe._torch_internals import accumulate_grads
 from lightning_gpipe.pipe.split_ops import (
-    Closure,
+    Deferred,
     Deferring,
     autocast_dtype,
     keep_linear_grads,
@@ -108,7 +109,7 @@ class WeightGrads:
     """
 
     def __init__(self, layers: nn.Module, shape: tuple[int, int] | None = None) -> None:
-        self._pending: dict[int, list[Closure]] = {}
+        self._pending: dict[int, list[Deferred]] = {}
         self._current: Deferring | None = None  # the mode of the micro-batch in progress, entered in each module
         self._mode: Deferring | None = None  # it, while entered
         # Per module call in progress: (it, the mode's count of routed ops) if it entered the mode, or its toggle.
@@ -206,7 +207,7 @@ class WeightGrads:
     @contextlib.contextmanager
     def deferring(self, m: int) -> Iterator[None]:
         """Around micro-batch m's forward and its recompute: the split ops' weight gradients wait for :meth:`run`."""
-        sink: list[Closure] = []
+        sink: list[Deferred] = []
         self._pending[m] = sink  # a recompute's graph replaces the forward's (whose backward never runs)
         self._current = Deferring(sink, self._decide)
         recorded = torch.is_grad_enabled()  # without a graph nothing routes, which tells nothing
@@ -221,14 +222,26 @@ class WeightGrads:
                         handle.remove()
 
     def run(self, m: int) -> None:
-        """W m: micro-batch m's weight gradients into ``.grad``, as autograd accumulates them (hooks included)."""
-        grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for closure in self._pending.pop(m, []):
-            for p, g in closure():
+        """W m: micro-batch m's weight gradients into ``.grad``, as autograd accumulates them (hooks included).
+
+        Each op's results go into ``.grad`` before the next op's products run, so that one op's results at a time
+        are held, not the stage's (all of its weight gradients at once: on the CPU the products then wrote fresh
+        memory, page by page, and W took 1.3 × its products' time; benchmarks/README.md, "zb-h1's split")."""
+        deferred = self._pending.pop(m, [])
+        uses = Counter(id(p) for d in deferred for p in d.params)
+        held: dict[int, torch.Tensor] = {}  # a parameter used again later: its sum so far
+        for d in deferred:
+            params, values = [], []
+            for p, g in d.compute():
+                key = id(p)
                 # A parameter used twice: its gradients summed in the order autograd's input buffer sums them, in
                 # the dtype autocast computed them in (its cast of a weight is cached: one cast, one sum before it).
-                grads[id(p)] = (p, g) if id(p) not in grads else (p, grads[id(p)][1] + g)
-        if grads:
-            params, values = [p for p, _ in grads.values()], [g.to(p.dtype) for p, g in grads.values()]
-            grads.clear()
-            accumulate_grads(params, values)
+                g = held.pop(key) + g if key in held else g
+                uses[key] -= 1
+                if uses[key] > 0:
+                    held[key] = g
+                    continue
+                params.append(p)
+                values.append(g.to(p.dtype))
+            if params:
+                accumulate_grads(params, values)

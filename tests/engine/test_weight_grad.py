@@ -292,3 +292,36 @@ def test_the_engines_own_forward_that_saves_nothing_still_splits() -> None:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert not saves_as_autograd()
     weights.close()
+
+
+def test_w_puts_each_ops_gradients_into_grad_before_the_next_op_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W holds one op's results at a time (a stage's every weight gradient at once wrote fresh memory page by page),
+    and a weight used twice reaches .grad once, its two gradients summed first: autograd's sums, bit for bit."""
+    from lightning_gpipe.pipe import weight_grad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), Twice(), nn.Linear(6, 6, bias=False), nn.Linear(6, 3))
+    plain = copy.deepcopy(model)
+    x = torch.randn(5, 6, requires_grad=True)
+    plain(x).square().sum().backward()
+
+    calls: list[list[str]] = []
+    names = {id(p): name for name, p in model.named_parameters()}
+    accumulate = weight_grad.accumulate_grads
+
+    def recording(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        calls.append([names[id(p)] for p in params])
+        accumulate(params, grads)
+
+    monkeypatch.setattr(weight_grad, "accumulate_grads", recording)
+    weights = WeightGrads(model)
+    with weights.deferring(0):
+        y = model(x.detach().requires_grad_())
+    y.square().sum().backward()
+    assert all(p.grad is None for name, p in model.named_parameters() if "norm" not in name)  # the norm's: in I
+    weights.run(0)
+    weights.close()
+    # Autograd reaches the ops last to first; the twice-used Linear's first use (reached last) completes its sum.
+    assert calls == [["3.weight", "3.bias"], ["2.weight"], ["1.lin.weight", "1.lin.bias"], ["0.weight", "0.bias"]]
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
