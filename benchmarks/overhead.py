@@ -258,12 +258,17 @@ def main() -> None:
     parser.add_argument("--checkpoint", choices=["except_last", "always", "never"], default="except_last")
     parser.add_argument("--out-dir", default=str(report.RESULTS))
     parser.add_argument("--smoke", action="store_true", help="tiny models, K=2, 3 steps, no quiet waits")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=INT", help="size changes, e.g. d_model=256")
     args = parser.parse_args()
     if args.smoke:
         args.ks, args.steps, args.max_steps, args.warmup, args.wait_quiet = [2], 3, 3, 1, 0.0
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    sizes = SMOKE_SIZES if args.smoke else SIZES
+    changes = {key: int(value) for key, value in (item.split("=", 1) for item in args.set)}
+    sizes = {
+        name: s | {key: value for key, value in changes.items() if key in s}
+        for name, s in (SMOKE_SIZES if args.smoke else SIZES).items()
+    }
     cores = len(os.sched_getaffinity(0))
     env = report.environment(threads_per_process=1, processes="one per stage (K), gloo on 127.0.0.1")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import datetime
 import json
 import os
@@ -44,12 +46,21 @@ __all__ = [
     "pause_until_quiet",
     "probe",
     "stats",
+    "steady_heap",
     "timed",
     "wait_quiet",
     "zeroed",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
+# glibc's malloc hands a freed block above its mmap threshold back to the system (a threshold it keeps moving) and
+# trims its heap's free top, so the next step's tensors come back page by page, each page zeroed on first touch: on
+# the 2-core VM 25 000 page faults a rank and K = 2 step (100 MB), 10-25 % of the step, and more for one schedule
+# than another (benchmarks/README.md, "The heap"). jemalloc and tcmalloc keep freed memory (torch.backends.xeon.run_cpu
+# preloads one); with glibc, every measuring process fixes its two thresholds (mallopt(3): M_TRIM_THRESHOLD -1,
+# M_MMAP_THRESHOLD -3), unless GPIPE_BENCH_HEAP=glibc.
+STEADY_HEAP = {-1: 2**31 - 1, -3: 32 << 20}  # mallopt takes a C int
+HEAP_ENV = "GPIPE_BENCH_HEAP"
 # Below this many clean steps, a configuration's statistics fall back to all its steps (flagged ``noisy``).
 MIN_CLEAN = 5
 
@@ -162,6 +173,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def steady_heap() -> str:
+    """Fix glibc's thresholds in this process (``STEADY_HEAP``) unless ``GPIPE_BENCH_HEAP=glibc``; returns how its
+    heap behaves: "steady", "glibc" (its own thresholds) or "not glibc"."""
+    if os.environ.get(HEAP_ENV, "") == "glibc":
+        return "glibc"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "not glibc"
+    return "steady" if all(mallopt(option, value) == 1 for option, value in STEADY_HEAP.items()) else "glibc"
+
+
 def launch(fn: Callable[[int, int, Any], Any], world: int, job: Any) -> Any:
     """Run ``fn(rank, world, job)`` on ``world`` fresh processes (gloo on 127.0.0.1, one thread each).
 
@@ -178,6 +202,7 @@ def launch(fn: Callable[[int, int, Any], Any], world: int, job: Any) -> Any:
 
 def _worker(rank: int, fn: Callable[[int, int, Any], Any], world: int, store: str, job: Any, path: str) -> None:
     torch.set_num_threads(1)
+    steady_heap()
     dist.init_process_group(
         "gloo",
         init_method=store,

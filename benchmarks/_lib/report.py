@@ -18,13 +18,15 @@ from typing import Any
 
 import torch
 
-from benchmarks._lib.machine import machine_info
+from benchmarks._lib.machine import machine_info, steady_heap
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def environment(threads_per_process: int | None = None, processes: str | None = None) -> dict:
-    """``machine_info`` plus what a reader needs to compare runs: accelerator, Lightning version, threads, launch."""
+    """``machine_info`` plus what a reader needs to compare runs: accelerator, Lightning version, threads, launch,
+    and the heap, which it settles in this process first (``steady_heap``: what a benchmark measures in-process then
+    runs on the heap its workers have)."""
     info = machine_info()
     try:  # the version without importing Lightning (seconds on a busy machine)
         info["lightning"] = importlib.metadata.version("lightning")
@@ -33,6 +35,7 @@ def environment(threads_per_process: int | None = None, processes: str | None = 
     info["accelerator"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     info["threads_per_process"] = threads_per_process if threads_per_process is not None else torch.get_num_threads()
     info["processes"] = processes
+    info["heap"] = steady_heap()
     return info
 
 
@@ -46,7 +49,8 @@ def environment_lines(env: dict) -> list[str]:
     lines = [
         f"- Machine: {env['cpu_model']}, {env['usable_cores']} usable cores, accelerator: {env['accelerator']}",
         f"- torch {env['torch']}, lightning {env.get('lightning')}, Python {env['python']}",
-        f"- Threads per process: {env['threads_per_process']}; processes: {env.get('processes') or '-'}",
+        f"- Threads per process: {env['threads_per_process']}; processes: {env.get('processes') or '-'}; "
+        f"heap: {env.get('heap', 'glibc')} (benchmarks/_lib/machine.py, STEADY_HEAP)",
         f"- Engine commit {env['engine_commit']}, {env['date']}",
     ]
     return lines
