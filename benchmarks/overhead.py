@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -131,6 +132,7 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 disturbed |= not clean
                 if s >= job["warmup"] and rank == 0:
                     row = {**step_shares(events), "clean": clean, "foreign_cores": rec["foreign_cores"]}
+                    row["page_faults"] = rec["page_faults"]
                     steps[path].append(row)
                     charts[path] = events if clean or charts[path] is None else charts[path]
             wanted = min(sum(st["clean"] for st in steps[path]) for path in paths) >= job["steps"]
@@ -152,8 +154,8 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 def summarize(steps: list[dict]) -> dict[str, Any]:
     clean = [s for s in steps if s["clean"]]
     use = clean if len(clean) >= 3 else steps
-    keys = (*SHARES, "waiting", "span_ms", "bubble_of_pipeline", "efficiency")
-    row = {key: statistics.median(s[key] for s in use) for key in keys}
+    keys = (*SHARES, "waiting", "span_ms", "bubble_of_pipeline", "efficiency", "page_faults")
+    row = {key: statistics.median(s.get(key, math.nan) for s in use) for key in keys}  # older files: no faults
     return {**row, "theoretical_bubble": steps[0]["theoretical_bubble"], "n": len(use), "clean": len(clean)}
 
 
@@ -169,6 +171,7 @@ COLUMNS: list[report.Column] = [
     *[(key, f"{key.replace('_', ' ')} %", ".1f") for key in SHARES],
     ("bubble_of_pipeline", "bubble % of pipeline", ".1f"),
     ("theoretical_bubble", "(K−1)/(M+K−1) %", ".1f"),
+    ("page_faults", "page faults a step (rank max)", ".0f"),
     ("n", "steps", ""),
     ("note", "note", ""),
 ]

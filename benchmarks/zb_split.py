@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -99,14 +100,17 @@ def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int, devi
     (pays, weights), (every, _) = split((2, M)), split(None)
     passes = {"plain": plain, "split": pays, "every": every}
     times: dict[str, list[dict[str, float]]] = {key: [] for key in passes}
+    faults: dict[str, list[int]] = {key: [] for key in passes}  # minor page faults a pass: the heap's fresh pages
     # The VM's speed drifts: the passes alternate, in each of their six orders by turns, so that each follows each
     # other as often (a pass runs slower after one that held more memory: two orders alone favoured one pass).
     orders = list(itertools.permutations(passes))
     for r in range(warmup + rounds):
         for key in orders[r % len(orders)]:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = passes[key]()
             if r >= warmup:
                 times[key].append(t)
+                faults[key].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
     def median(key: str, part: str) -> float:
         return statistics.median(t[part] for t in times[key]) * 1e3
@@ -121,6 +125,7 @@ def measure(name: str, s: dict[str, Any], M: int, rounds: int, warmup: int, devi
     split_weights, met = weights.decided
     row: dict[str, Any] = {"model": name, "layers": f"{balance[0]}–{sum(balance) - 1} of {sum(balance)}"}
     row |= {"plain_F": median("plain", "F"), "plain_B": median("plain", "B")}
+    row["faults"] = " / ".join(f"{statistics.median(faults[key]):.0f}" for key in passes)
     for key in ("split", "every"):
         row |= {f"{key}_{part}": median(key, part) for part in "FIW"}
         row[f"{key}_paired"] = paired(key)
@@ -134,7 +139,8 @@ COLUMNS = report.columns(
     " plain_F|plain F ms|.1f; plain_B|plain B ms|.1f; split_F|split F ms|.1f; split_I|I ms|.1f; split_W|W ms|.1f;"
     " split_paired|(F + I + W) ÷ (F + B), paired|.3f; split_products|matrix products, split ÷ plain|.2f;"
     " every_F|every op split: F ms|.1f; every_I|I ms|.1f; every_W|W ms|.1f;"
-    " every_paired|(F + I + W) ÷ (F + B), paired|.3f; every_products|matrix products, ÷ plain|.2f; rounds|rounds|"
+    " every_paired|(F + I + W) ÷ (F + B), paired|.3f; every_products|matrix products, ÷ plain|.2f;"
+    " faults|page faults a pass, plain / split / every|; rounds|rounds|"
 )
 
 

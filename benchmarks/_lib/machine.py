@@ -314,16 +314,19 @@ def timed(fn: Callable[[], Any]) -> tuple[dict, Any]:
 
     ``own_cores``: CPU the ranks' processes used (all their threads, gloo's included) per second of the window;
     ``foreign_cores``: CPU that any other process used meanwhile (rank 0 reads /proc/stat). On a shared machine,
-    other work would otherwise be measured.
+    other work would otherwise be measured. ``page_faults``: the minor page faults of the rank with the most (pages
+    the heap took back from the system: ``STEADY_HEAP``).
     """
     dist.barrier()
     first = dist.get_rank() == 0
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     busy0, w0, c0 = _busy_s() if first else 0.0, time.perf_counter(), time.process_time()
     result = fn()
     dt = time.perf_counter() - w0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     dist.barrier()
     busy1, w1, c1 = _busy_s() if first else 0.0, time.perf_counter(), time.process_time()
-    wall = torch.tensor([dt, w1 - w0 if first else 0.0], dtype=torch.float64)
+    wall = torch.tensor([dt, w1 - w0 if first else 0.0, faults], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     cpu = torch.tensor([c1 - c0, busy1 - busy0], dtype=torch.float64)
     dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
@@ -333,6 +336,7 @@ def timed(fn: Callable[[], Any]) -> tuple[dict, Any]:
         "s": step_s,
         "own_cores": own / window_s,
         "foreign_cores": max(busy - own, 0.0) / window_s,
+        "page_faults": float(wall[2]),
     }, result
 
 
