@@ -229,19 +229,23 @@ class WeightGrads:
         memory, page by page, and W took 1.3 × its products' time; benchmarks/README.md, "zb-h1's split")."""
         deferred = self._pending.pop(m, [])
         uses = Counter(id(p) for d in deferred for p in d.params)
-        held: dict[int, torch.Tensor] = {}  # a parameter used again later: its sum so far
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a parameter used again later: its sum so far
         for d in deferred:
-            params, values = [], []
+            ready = []
             for p, g in d.compute():
                 key = id(p)
                 # A parameter used twice: its gradients summed in the order autograd's input buffer sums them, in
                 # the dtype autocast computed them in (its cast of a weight is cached: one cast, one sum before it).
-                g = held.pop(key) + g if key in held else g
+                g = held.pop(key)[1] + g if key in held else g
                 uses[key] -= 1
                 if uses[key] > 0:
-                    held[key] = g
-                    continue
-                params.append(p)
-                values.append(g.to(p.dtype))
-            if params:
-                accumulate_grads(params, values)
+                    held[key] = (p, g)
+                else:
+                    ready.append((p, g))
+            self._accumulate(ready)
+        self._accumulate(list(held.values()))  # none, unless a closure returned fewer parameters than it named
+
+    @staticmethod
+    def _accumulate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if pairs:
+            accumulate_grads([p for p, _ in pairs], [g.to(p.dtype) for p, g in pairs])
