@@ -34,7 +34,16 @@ import torch.distributed as dist
 
 from benchmarks._lib import report
 from benchmarks._lib.machine import launch, paired_ratio, pause_until_quiet, timed, wait_quiet
-from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
+from benchmarks._lib.workloads import (
+    SIZES,
+    SMOKE_SIZES,
+    balances,
+    build,
+    loss_fn,
+    make_batch,
+    per_micro_batch,
+    resized,
+)
 from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
 from lightning_gpipe.pipe.chunks import solve_chunks
 from lightning_gpipe.pipe.gantt import plot_timeline
@@ -267,11 +276,7 @@ def main() -> None:
         args.ks, args.steps, args.max_steps, args.warmup, args.wait_quiet = [2], 3, 3, 1, 0.0
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    changes = {key: int(value) for key, value in (item.split("=", 1) for item in args.set)}
-    sizes = {
-        name: s | {key: value for key, value in changes.items() if key in s}
-        for name, s in (SMOKE_SIZES if args.smoke else SIZES).items()
-    }
+    sizes = resized(SMOKE_SIZES if args.smoke else SIZES, args.set)
     cores = len(os.sched_getaffinity(0))
     env = report.environment(threads_per_process=1, processes="one per stage (K), gloo on 127.0.0.1")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)

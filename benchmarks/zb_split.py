@@ -157,13 +157,12 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    sizes = workloads.SMOKE_SIZES if args.smoke else workloads.SIZES
-    changes = {key: int(value) for key, value in (item.split("=", 1) for item in args.set)}
+    sizes = workloads.resized(workloads.SMOKE_SIZES if args.smoke else workloads.SIZES, args.set)
     rounds, warmup = (3, 1) if args.smoke else (args.rounds, 3)
     env = report.environment(threads_per_process=torch.get_num_threads(), processes="1") | {"device": str(device)}
     rows = []
     for name in args.models:
-        s = sizes[name] | {key: value for key, value in changes.items() if key in sizes[name]}
+        s = sizes[name]
         row = measure(name, s, args.micro_batches, rounds, warmup, device) | {"sizes": workloads.describe(name, s)}
         rows.append(row)
         print(

@@ -55,7 +55,7 @@ __all__ = [
 REPO = Path(__file__).resolve().parents[2]
 # glibc's malloc hands a freed block above its mmap threshold back to the system (a threshold it keeps moving) and
 # trims its heap's free top, so the next step's tensors come back page by page, each page zeroed on first touch: on
-# the 2-core VM 25 000 page faults a rank and K = 2 step (100 MB), 10-25 % of the step, and more for one schedule
+# the 2-core VM up to 12 825 page faults a rank and K = 2 step (50 MB), 13-25 % of the step, and more for one schedule
 # than another (benchmarks/README.md, "The heap"). jemalloc and tcmalloc keep freed memory (torch.backends.xeon.run_cpu
 # preloads one); with glibc, every measuring process fixes its two thresholds (mallopt(3): M_TRIM_THRESHOLD -1,
 # M_MMAP_THRESHOLD -3), unless GPIPE_BENCH_HEAP=glibc.

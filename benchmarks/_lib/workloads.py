@@ -36,6 +36,12 @@ PAPER_TABLE2 = {
 }
 
 
+def resized(sizes: dict[str, dict[str, Any]], changes: list[str]) -> dict[str, dict[str, Any]]:
+    """``sizes`` with the benchmarks' ``--set KEY=INT`` changes, each applied to the models that have the key."""
+    values = {key: int(value) for key, value in (item.split("=", 1) for item in changes)}
+    return {name: s | {key: v for key, v in values.items() if key in s} for name, s in sizes.items()}
+
+
 def describe(name: str, s: dict[str, Any]) -> str:
     if name == "amoebanet":
         return (
