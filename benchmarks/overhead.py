@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._lib import report
-from benchmarks._lib.machine import launch, paired_ratio, pause_until_quiet, timed, wait_quiet
+from benchmarks._lib.machine import launch, paired_interval, paired_ratio, pause_until_quiet, timed, wait_quiet
 from benchmarks._lib.workloads import (
     SIZES,
     SMOKE_SIZES,
@@ -176,6 +176,7 @@ COLUMNS: list[report.Column] = [
     ("span_ms", "step ms", ".0f"),
     ("vs_whole", "step / whole-batch's", ".2f"),
     ("vs_gpipe_paired", "step / gpipe's, paired by round", ".3f"),
+    ("vs_gpipe_ci", "its 95 % interval", ""),
     ("efficiency", "efficiency (ideal GPipe step / step)", ".2f"),
     *[(key, f"{key.replace('_', ' ')} %", ".1f") for key in SHARES],
     ("bubble_of_pipeline", "bubble % of pipeline", ".1f"),
@@ -324,7 +325,10 @@ def main() -> None:
         r["vs_whole"] = r["span_ms"] / whole[0]["span_ms"] if whole else None
         if "gpipe" in args.paths:
             entry = raw[r["K"]][r["model"]]
-            r["vs_gpipe_paired"] = paired_ratio(entry[r["path"]]["steps"], entry["gpipe"]["steps"], "span_ms")
+            pair = (entry[r["path"]]["steps"], entry["gpipe"]["steps"], "span_ms")
+            r["vs_gpipe_paired"] = paired_ratio(*pair)
+            interval = paired_interval(*pair) if r["path"] != "gpipe" else None
+            r["vs_gpipe_ci"] = f"{interval[0]:.3f}–{interval[1]:.3f}" if interval else ""
     total = time.perf_counter() - t_start
     command = report.command_line("overhead")
     md = ["# Where the time goes (GPipe Table 4), from the timeline", "", *report.environment_lines(env)]

@@ -8,6 +8,7 @@ import ctypes
 import ctypes.util
 import datetime
 import json
+import math
 import os
 import platform
 import resource
@@ -42,6 +43,7 @@ __all__ = [
     "machine_info",
     "max_over_ranks",
     "measure",
+    "paired_interval",
     "paired_ratio",
     "pause_until_quiet",
     "probe",
@@ -397,6 +399,19 @@ def paired_ratio(a: list[dict], b: list[dict], key: str = "s") -> float | None:
     moves whole steps by 10–20 % over a run: the medians of each one's own steps cannot resolve a few % between them."""
     ratios = [x[key] / y[key] for x, y in zip(a, b) if x["clean"] and y["clean"]]
     return statistics.median(ratios) if len(ratios) >= 3 else None
+
+
+def paired_interval(a: list[dict], b: list[dict], key: str = "s") -> tuple[float, float] | None:
+    """A 95 % confidence interval for ``paired_ratio``'s median, free of any assumed distribution: the order statistics
+    of the n clean rounds' ratios whose ranks the binomial(n, ½) puts 1.96 σ from the middle (None: under 9 rounds,
+    where the interval would be the whole range). Whether a median of 1.02 tells two schedules apart or not."""
+    ratios = sorted(x[key] / y[key] for x, y in zip(a, b) if x["clean"] and y["clean"])
+    n = len(ratios)
+    if n < 9:
+        return None
+    half = 0.98 * math.sqrt(n)  # 1.96 σ of the binomial's count, σ = √n / 2
+    lo, hi = math.floor(n / 2 - half), math.ceil(1 + n / 2 + half)  # ranks from 1, rounded outwards
+    return ratios[max(lo, 1) - 1], ratios[min(hi, n) - 1]
 
 
 def stats(records: list[dict], samples_per_step: int) -> dict:
