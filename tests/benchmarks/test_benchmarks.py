@@ -250,3 +250,26 @@ def test_interleaved_split_compares_the_two_cuts_side_by_side(tmp_path: Path) ->
     for model in ("amoebanet", "transformer"):  # the simulated cut is never modelled slower than the per-chunk one
         per_chunk, simulated = (r["modelled"] for r in data["rows"] if r["model"] == model)
         assert simulated <= per_chunk, (model, simulated, per_chunk)
+
+
+def test_paired_interval_is_the_medians_order_statistics_and_covers_it() -> None:
+    """The interval ``overhead.py`` prints beside a paired ratio: the binomial order statistics around the median
+    (ranks 7 and 18 of 24), only clean rounds, none under 9 of them, and at least 95 % coverage of the true median."""
+    import random
+
+    from benchmarks._lib.machine import paired_interval
+
+    def rounds(ratios: list[float], clean: bool = True) -> tuple[list[dict], list[dict]]:
+        return [{"s": r, "clean": clean} for r in ratios], [{"s": 1.0, "clean": True} for _ in ratios]
+
+    assert paired_interval(*rounds([1.0] * 8)) is None
+    assert paired_interval(*rounds([1.0] * 30, clean=False)) is None
+    shuffled = [float(i) for i in range(1, 25)]
+    random.Random(0).shuffle(shuffled)
+    assert paired_interval(*rounds(shuffled)) == (7.0, 18.0)
+    rng = random.Random(1)
+    covered = sum(
+        lo <= 1.0 <= hi
+        for lo, hi in (paired_interval(*rounds([rng.lognormvariate(0, 0.1) for _ in range(40)])) for _ in range(400))
+    )
+    assert 0.95 <= covered / 400 < 1.0
