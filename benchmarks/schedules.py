@@ -10,8 +10,8 @@
 #    the transport): a training step (stage.forward_backward with
 #    the loss per micro-batch on the last stage, then RMSprop) for every schedule the executor runs
 #    (pipe.schedules: ``runnable``), and by turns with them each rank's one-stage pipelines of its stages, co-run and
-#    alone (the per-stage engine factors, _lib/costmodel_ranks.py), medians of clean steps; then one traced step per
-#    schedule, whose time per rank and kind of work is set beside the simulator's (where the two part).
+#    alone (the per-stage engine factors, _lib/costmodel_ranks.py), medians of clean steps; then five traced steps per
+#    schedule, whose time per rank and kind of work (medians) is set beside the simulator's (where the two part).
 #    Predicted vs measured, for K > usable cores as well (labelled oversubscribed; there the prediction also bounds the
 #    step by the work spread over the cores), and beside it the one-process prediction (what Table 2 rests on).
 # 3. GPipe paper Table 2 at K = --table-k (predicted for every registered schedule, interleaved with v=2): K ∈ {1, 2,
@@ -133,7 +133,7 @@ def runner(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, loss: An
 
 def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """One K (= world): gloo's ping-pong fit (K=2), then per model its runnable schedules' steps and the one-stage
-    pipelines of each rank's stages (co-run and alone), all by turns, then one traced step per schedule."""
+    pipelines of each rank's stages (co-run and alone), all by turns, then five traced steps per schedule."""
     out: dict[str, Any] = {}
     for _ in range(2 if job["ping"] else 0):  # the first round warms the connection up; the second is kept
         if rank == 0:

@@ -91,11 +91,12 @@ def markdown(data: dict, models: dict[str, Any], link: Link, args: argparse.Name
         "",
         report.markdown_table(data["validation"], VALIDATION),
         "",
-        "## Where they part: a traced step per schedule, measured / predicted ms per rank",
+        "## Where they part: traced steps per schedule, measured / predicted ms per rank",
         "",
         "forward: F (dropped and kept); recompute: R before a backward; backward: B, or I and W, with the last "
         "stage's loss; update: RMSprop; other: the rest of the step (waits for a peer, transfers, sends, the status "
-        "check, the engine between actions). One step with the timeline on, after the timed ones.",
+        "check, the engine between actions). Steps with the timeline on, after the timed ones: each kind's median "
+        "over them (`traced_steps` in the JSON; files without it traced one step).",
         "",
         report.markdown_table(data["parts"], PARTS_COLUMNS),
         "",
