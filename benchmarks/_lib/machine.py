@@ -393,11 +393,15 @@ def measure(runners: Mapping[str, Runner], timing: Timing, after_first: Callable
             return Measured(records, first, paused)
 
 
+def _clean_ratios(a: list[dict], b: list[dict], key: str) -> list[float]:
+    return [x[key] / y[key] for x, y in zip(a, b) if x["clean"] and y["clean"]]
+
+
 def paired_ratio(a: list[dict], b: list[dict], key: str = "s") -> float | None:
     """The median over rounds of a's step ÷ b's of the same round (``key``: the step's time), both clean (None: under
     3 such rounds). The two ran back to back in the same processes, so a round's ratio cancels the VM's drift, which
     moves whole steps by 10–20 % over a run: the medians of each one's own steps cannot resolve a few % between them."""
-    ratios = [x[key] / y[key] for x, y in zip(a, b) if x["clean"] and y["clean"]]
+    ratios = _clean_ratios(a, b, key)
     return statistics.median(ratios) if len(ratios) >= 3 else None
 
 
@@ -405,7 +409,7 @@ def paired_interval(a: list[dict], b: list[dict], key: str = "s") -> tuple[float
     """A 95 % confidence interval for ``paired_ratio``'s median, free of any assumed distribution: the order statistics
     of the n clean rounds' ratios whose ranks the binomial(n, ½) puts 1.96 σ from the middle (None: under 9 rounds,
     where the interval would be the whole range). Whether a median of 1.02 tells two schedules apart or not."""
-    ratios = sorted(x[key] / y[key] for x, y in zip(a, b) if x["clean"] and y["clean"])
+    ratios = sorted(_clean_ratios(a, b, key))
     n = len(ratios)
     if n < 9:
         return None
