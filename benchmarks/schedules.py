@@ -43,7 +43,7 @@ from benchmarks._lib.costmodel_ranks import (
     parts_rows,
     traced_kinds,
 )
-from benchmarks._lib.costmodel_report import markdown
+from benchmarks._lib.costmodel_report import TOLERANCE, V, markdown, relative, table2
 from benchmarks._lib.gloo_link import Link, echo, fit_host, fit_link, message_host, ping_pong
 from benchmarks._lib.machine import (
     Runner,
@@ -58,7 +58,6 @@ from benchmarks._lib.machine import (
     wait_quiet,
 )
 from benchmarks._lib.workloads import (
-    PAPER_TABLE2,
     SIZES,
     SMOKE_SIZES,
     build,
@@ -73,10 +72,8 @@ from lightning_gpipe.pipe.microbatch import plan_sizes
 from lightning_gpipe.pipe.schedules import SCHEDULES
 
 RUNNABLE = [name for name, spec in SCHEDULES.items() if spec.runnable]
-V = {"interleaved-1f1b": 2}  # chunks per rank where a schedule needs several
 RUN_ON = {1: "gpipe", 2: "interleaved-1f1b"}  # per chunks per rank: the schedule whose balance the measured stage uses
 PING_BYTES = [64, 16 << 10, 256 << 10, 1 << 20, 4 << 20]
-TOLERANCE = 0.10
 
 
 def table_sizes(sizes: dict[str, dict[str, Any]], smoke: bool) -> dict[str, dict[str, Any]]:
@@ -180,49 +177,6 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ tables
-def table2(name: str, costs: dict[int, LayerCosts], link: Link, ks: list[int], batch: int) -> list[dict]:
-    """Predicted rows of Table 2 for one model: every schedule at every K and M (K=1: one stage, gpipe's order)."""
-    rows: list[dict] = []
-    for M, lc in costs.items():
-        base = predict(lc, link, "gpipe", 1, M).step
-        for K in ks:
-            for schedule in SCHEDULES:
-                v = V.get(schedule, 1)
-                row: dict[str, Any] = {
-                    "model": name,
-                    "M": M,
-                    "K": K,
-                    "schedule": schedule + (f" v={v}" if v > 1 else ""),
-                }
-                if v * K > len(lc.forward):
-                    rows.append({**row, "note": f"n/a: {len(lc.forward)} layers < {v * K} stages"})
-                    continue
-                try:
-                    p = predict(lc, link, schedule, K, M, v)
-                except ValueError as e:
-                    rows.append({**row, "note": f"n/a: {e}"})
-                    continue
-                rows.append(
-                    {
-                        **row,
-                        "step_ms": p.step * 1e3,
-                        "samples_per_s": batch / p.step,
-                        "speedup": base / p.step,
-                        "ideal": K * M / (M + K - 1),
-                        "paper": PAPER_TABLE2.get(name, {}).get(M, {}).get(K) if schedule == "gpipe" else None,
-                        "bubble": 100 * p.bubble,
-                        "peak": p.peak,
-                        "balance": p.balance,
-                        "note": "",
-                    }
-                )
-    ref = next((r for r in rows if (r["K"], r["M"], r["schedule"]) == (2, 1, "gpipe") and "step_ms" in r), None)
-    for r in rows:
-        if ref is not None and "step_ms" in r:
-            r["normalized"] = ref["step_ms"] / r["step_ms"]
-    return rows
-
-
 def plot(data: dict) -> Any:
     """Left: predicted against measured steps; then per model, the predicted speed-up against K per schedule."""
     models = list(data["table2"])
@@ -264,10 +218,15 @@ def validate(
     validation, parts = [], []
     for K in sorted(args.ks):
         for name, m in models.items():
+            predicted = {}
             for schedule in SCHEDULES:
                 v = V.get(schedule, 1)
                 engines = engines_of(m["costs"], m["stages"][K][str(v)], M)
-                p = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint, engines=engines)
+                predicted[schedule] = predict(
+                    m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint, engines=engines
+                )
+            for schedule, p in predicted.items():
+                v = V.get(schedule, 1)
                 one = predict(m["costs"], link, schedule, K, M, v, checkpoint=args.checkpoint)
                 row: dict[str, Any] = {"model": name, "K": K, "M": M, "schedule": schedule, "balance": p.balance}
                 row |= {"predicted_ms": p.step * 1e3, "predicted_on_cores_ms": p.on_cores(cores) * 1e3}
@@ -280,6 +239,7 @@ def validate(
                     row["ratio_on_cores"] = row["predicted_on_cores_ms"] / row["measured_ms"]
                     row["ratio_one_process"] = row["one_process_ms"] / row["measured_ms"]
                     row["within"] = "yes" if abs(row["ratio"] - 1) <= TOLERANCE else "no"
+                    row |= relative(p.step / predicted["gpipe"].step, raw[K][name], schedule)
                     notes += ["noisy"] if st["noisy"] else []
                     parts += parts_rows(name, K, schedule, raw[K]["traced"][name][schedule], p)
                 else:

@@ -149,3 +149,22 @@ def test_profile_layers_times_each_kind_as_the_engine_runs_it() -> None:
     assert lc.kept[1] > 0.02 and lc.forward[1] > 0.02 and lc.split_kept[1] > 0.02
     assert lc.recompute[1] < 0.01 and lc.split_recompute[1] < 0.01
     assert len(lc.split_input) == len(lc.split_weight) == 3
+
+
+def test_relative_step_is_the_paired_rounds_median_beside_the_prediction() -> None:
+    from benchmarks._lib.costmodel_report import relative
+
+    # Nine rounds: GPipe's step drifts 1.0 → 1.8 s while 1F1B's stays 1.1 × GPipe's of its round (1.3 × in one round,
+    # and one disturbed round at 5 × that must not count): the ratio of the medians would read the drift, not 1.1.
+    gpipe = [{"s": 1.0 + 0.1 * i, "clean": True} for i in range(10)]
+    ratios = [1.1] * 8 + [1.3, 5.0]
+    other = [{"s": g["s"] * r, "clean": r < 5} for g, r in zip(gpipe, ratios, strict=True)]
+    row = relative(1.05, {"gpipe": gpipe, "1f1b": other}, "1f1b")
+    assert row["vs_gpipe_measured"] == pytest.approx(1.1)
+    assert row["relative_ratio"] == pytest.approx(1.05 / 1.1)
+    assert row["relative_within"] == "yes"
+    low, high = (float(x) for x in row["vs_gpipe_ci"].split("–"))
+    assert low == pytest.approx(1.1) and high == pytest.approx(1.3)  # ranks 1 and 9 of 9: the whole range
+    assert relative(1.25, {"gpipe": gpipe, "1f1b": other}, "1f1b")["relative_within"] == "no"  # 1.136 × measured
+    assert relative(1.0, {"gpipe": gpipe}, "gpipe") == {"vs_gpipe_predicted": 1.0, "relative_within": "reference"}
+    assert relative(1.2, {"zb-h1": other}, "zb-h1") == {}  # no GPipe measured: nothing to pair with
