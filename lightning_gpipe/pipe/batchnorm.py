@@ -89,14 +89,22 @@ class _Deferral:
         return {**self.__dict__, "sync_group": None, "open": None}
 
     @torch.no_grad()
-    def accumulate(self, x: torch.Tensor, factor: float) -> None:
+    def accumulate(self, x: torch.Tensor, factor: float, unbiased: torch.Tensor | None = None) -> None:
+        """Add micro-batch ``x``'s per-channel moments; ``unbiased``: its variance as the normalizing kernel
+        computed it (saves a second pass over ``x``), else computed here."""
         self.factor = float(factor)
         n = x.numel() // x.shape[1]
         if n == 0:
             return
         dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x.to(torch.float64), dim=dims, correction=0)
-        m2 = var * n
+        if unbiased is None:
+            var, mean = torch.var_mean(x.to(torch.float64), dim=dims, correction=0)
+            m2 = var * n
+        else:
+            # The mean in float64 (a float32 mean of values far from zero would lose the digits the merge's
+            # deltas need); the within-micro-batch spread as the kernel summed it.
+            mean = x.sum(dim=dims, dtype=torch.float64) / n
+            m2 = unbiased.to(torch.float64) * (n - 1)
         if self.mean is None or self.m2 is None:
             self.count, self.mean, self.m2 = n, mean, m2
             return
@@ -155,9 +163,13 @@ class _Normalizations(TorchFunctionMode):
         tracks = layer.running_mean is not None and layer.running_var is not None
         if state.sync_group is None:
             # Normalize first: it rejects a micro-batch with a single value per channel before anything accumulates.
-            output = F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
-            if tracks and not is_recomputing():
-                state.accumulate(x.detach(), factor)
+            if not tracks or is_recomputing():
+                return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+            # Stand-in running statistics at momentum 1 take the kernel's own variance of the micro-batch.
+            assert layer.running_var is not None
+            mean, var = torch.zeros_like(layer.running_var), torch.ones_like(layer.running_var)
+            output = F.batch_norm(x, mean, var, weight, bias, True, 1.0, eps)
+            state.accumulate(x.detach(), factor, unbiased=var)
             return output
         # A recompute re-issues its micro-batch's collectives to get the same statistics again; that stays in step
         # because every replica recomputes the same micro-batches in the same order (same M, same schedule).
