@@ -134,9 +134,9 @@ def test_profile_layers_times_each_kind_as_the_engine_runs_it() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     accumulate = batchnorm._Deferral.accumulate
 
-    def slow(self: object, *args: object) -> None:
+    def slow(self: object, *args: object, **kwargs: object) -> None:
         time.sleep(0.02)
-        accumulate(self, *args)  # type: ignore[arg-type]
+        accumulate(self, *args, **kwargs)  # type: ignore[arg-type]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the benchmark profiles: a tiny op on threads that wait for a busy core is slow
