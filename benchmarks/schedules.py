@@ -43,7 +43,7 @@ from benchmarks._lib.costmodel_ranks import (
     parts_rows,
     traced_kinds,
 )
-from benchmarks._lib.costmodel_report import TOLERANCE, V, markdown, relative, table2
+from benchmarks._lib.costmodel_report import TOLERANCE, V, markdown, relative, replay_row, table2
 from benchmarks._lib.gloo_link import Link, echo, fit_host, fit_link, message_host, ping_pong
 from benchmarks._lib.machine import (
     Runner,
@@ -241,7 +241,9 @@ def validate(
                     row["within"] = "yes" if abs(row["ratio"] - 1) <= TOLERANCE else "no"
                     row |= relative(p.step / predicted["gpipe"].step, raw[K][name], schedule)
                     notes += ["noisy"] if st["noisy"] else []
-                    parts += parts_rows(name, K, schedule, raw[K]["traced"][name][schedule], p)
+                    traced = raw[K]["traced"][name][schedule]
+                    parts += parts_rows(name, K, schedule, traced, p)
+                    row |= replay_row(p, traced, link, args.checkpoint)
                 else:
                     notes.append("not runnable: predicted only")
                 row["note"] = ", ".join(notes)

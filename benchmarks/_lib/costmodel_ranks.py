@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -13,10 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks._lib.costmodel import LayerCosts, Prediction, engine_factor
+from benchmarks._lib.gloo_link import Link
 from benchmarks._lib.machine import MIN_CLEAN, Runner, Timing, pause_until_quiet, timed
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import tree_flatten
 from lightning_gpipe.pipe.executor import Checkpoint
+from lightning_gpipe.pipe.schedules import fuse_halves, keeps_graph, lookup
+from lightning_gpipe.pipe.simulator import Costs, simulate
 
 LossFn = Callable[[Any, int], torch.Tensor]
 
@@ -129,12 +133,14 @@ KIND = {
 }
 
 
-def traced_kinds(stage: GPipeStage, runner: Runner, timing: Timing, steps: int = 5) -> list[dict[str, float]]:
+def traced_kinds(stage: GPipeStage, runner: Runner, timing: Timing, steps: int = 5) -> list[dict[str, Any]]:
     """A collective: ``steps`` more steps of ``runner`` with ``stage``'s timeline on (each the first clean one of up
     to 3); per rank, the median over them of the seconds of forward, recompute, backward (its halves and the loss),
     update, and the rest of the step ("other"), on every rank. One traced step alone moved a rank's eight forwards
-    1.6 × between schedules of the same work on the 2-core VM."""
+    1.6 × between schedules of the same work on the 2-core VM. For ``replayed``, per traced step: "units",
+    ``action_times``; "steps", the step (the slowest rank's); "updates", the rank's update."""
     per_step: list[dict[str, float]] = []
+    units: list[list[list[Any]]] = []  # per traced step: [kind, micro-batch, chunk, seconds] per action
     for _ in range(steps):
         for _attempt in range(3):
             pause_until_quiet(timing.wait_quiet / 4, timing.clean_threshold)
@@ -149,14 +155,84 @@ def traced_kinds(stage: GPipeStage, runner: Runner, timing: Timing, steps: int =
         for e in stage.timeline.events:
             if e.kind in KIND:
                 kinds[KIND[e.kind]] += (e.end_ns - e.start_ns) / 1e9
+        units.append([[*key, seconds] for key, seconds in action_times(stage.timeline.events).items()])
         stage.timeline.clear()
         per_step.append(
             {**kinds, "other": rec["s"] - sum(kinds.values()), "step": rec["s"], "foreign_cores": rec["foreign_cores"]}
         )
-    mine = {key: statistics.median(step[key] for step in per_step) for key in per_step[0]} | {"traced_steps": steps}
-    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    mine: dict[str, Any] = {key: statistics.median(step[key] for step in per_step) for key in per_step[0]}
+    mine |= {"traced_steps": steps, "units": units, "steps": [step["step"] for step in per_step]}
+    mine["updates"] = [step["update"] for step in per_step]
+    gathered: list[dict[str, Any] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return [g for g in gathered if g is not None]
+
+
+ENDS = ("forward", "backward", "backward-input", "backward-weight")  # the event that ends each kind of action
+
+
+def action_times(events: list[Any]) -> dict[tuple[str, int, int], float]:
+    """A rank's own seconds per action of one traced step, by (ending event's kind, micro-batch, chunk): from the end
+    of its previous action (the first: from its phase's start) to the end of its own, less the waits for a peer
+    between; a backward's recompute apart, as ("recompute", m, c). So each action carries the engine's work around
+    it (receiving, sending, checks, the loss of the last stage's backward), which the compute events leave out."""
+    events = sorted(events, key=lambda e: e.end_ns)
+    phase = [e.start_ns for e in events if e.kind == "step"]
+    prev = min(phase) if phase else min((e.start_ns for e in events), default=0)
+    waits = [e for e in events if e.kind == "recv-wait"]
+    recomputes = {(e.micro_batch, e.chunk): e.end_ns - e.start_ns for e in events if e.kind == "recompute"}
+    out = {}
+    for e in events:
+        if e.kind not in ENDS or e.micro_batch < 0:
+            continue
+        own = e.end_ns - prev - sum(w.end_ns - w.start_ns for w in waits if w.start_ns >= prev and w.end_ns <= e.end_ns)
+        c = max(e.chunk, 0)
+        if e.kind in ("backward", "backward-input") and (e.micro_batch, e.chunk) in recomputes:
+            out["recompute", e.micro_batch, c] = recomputes[e.micro_batch, e.chunk] / 1e9
+            own -= recomputes[e.micro_batch, e.chunk]
+        out[e.kind, e.micro_batch, c] = own / 1e9
+        prev = e.end_ns
+    return out
+
+
+def _mean(times: dict[int, float], ms: set[int]) -> float | None:
+    """The mean over micro-batches ``ms`` of ``times`` (their sum is the rank's); None if none ran."""
+    got = [t for m, t in times.items() if m in ms]
+    return statistics.fmean(got) if got else None
+
+
+HOST_IN_ACTIONS = {"send_host": 0.0, "grad_send_host": 0.0, "recv_host": 0.0}
+
+
+def replayed(p: Prediction, traced: list[dict[str, Any]], link: Link, checkpoint: Checkpoint, i: int) -> float:
+    """The step ``simulate`` gives for traced step ``i`` with its own action times (``action_times``): each (rank,
+    chunk)'s F, F_kept, R, B, I, W the means over its micro-batches, its links as ``p``'s (the host times are in the
+    action times), the status all-reduce, and the longest update of the step. Beside the traced step it tests the
+    simulator (the order, the waits, the links) apart from the costs measured outside the step."""
+    K, v = p.K, p.v
+    S = K * v
+    actions = [fuse_halves(ops) for ops in lookup(p.schedule).actions(K, p.M, v)]
+    table = {}
+    for s in range(S):
+        r, c = s % K, s // K
+        units: dict[str, dict[int, float]] = {}
+        for kind, m, chunk, seconds in traced[r]["units"][i]:
+            if chunk == c:
+                units.setdefault(kind, {})[m] = seconds
+        every = set(range(p.M))
+        kept = {m for m in every if keeps_graph(checkpoint, actions[r], m, c)}
+        fields = {
+            "F": _mean(units.get("forward", {}), every - kept),
+            "F_kept": _mean(units.get("forward", {}), kept),
+            "R": _mean(units.get("recompute", {}), every),
+            "B": _mean(units.get("backward", {}), every),
+            "I": _mean(units.get("backward-input", {}), every),
+            "W": _mean(units.get("backward-weight", {}), every),
+        }
+        base = {k: val for k, val in p.costs[s].items() if k != "stage"} | HOST_IN_ACTIONS
+        table[r, c] = Costs(**(base | {k: val for k, val in fields.items() if val is not None}))
+    makespan = simulate(actions, K, v, table, nccl=False, checkpoint=checkpoint).makespan
+    return makespan + 2 * math.ceil(math.log2(K)) * link.latency + max(rank["updates"][i] for rank in traced)
 
 
 def engines_of(lc: LayerCosts, stages: list[dict[str, Any]], M: int) -> dict[tuple[int, int], float]:

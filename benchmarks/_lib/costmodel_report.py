@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 from benchmarks._lib import report
-from benchmarks._lib.costmodel import LayerCosts, predict
-from benchmarks._lib.costmodel_ranks import PARTS, engines_of
+from benchmarks._lib.costmodel import LayerCosts, Prediction, predict
+from benchmarks._lib.costmodel_ranks import PARTS, engines_of, replayed
 from benchmarks._lib.gloo_link import Link
 from benchmarks._lib.machine import paired_interval, paired_ratio
 from benchmarks._lib.workloads import PAPER_TABLE2
+from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.schedules import SCHEDULES
 
 V = {"interleaved-1f1b": 2}  # chunks per rank where a schedule needs several
@@ -30,6 +32,10 @@ VALIDATION: list[report.Column] = [
     ("vs_gpipe_measured", "÷ GPipe's, measured (paired by round)", ".3f"),
     ("vs_gpipe_ci", "its 95 % interval", ""),
     ("relative_within", "÷ GPipe's within 10 %", ""),
+    ("replayed_ms", "replayed ms (traced action times)", ".1f"),
+    ("traced_ms", "traced step ms", ".1f"),
+    ("replayed_ratio", "replayed / traced (median of steps)", ".3f"),
+    ("replayed_within", "replay within 10 %", ""),
     ("predicted_on_cores_ms", "predicted, cores shared", ".1f"),
     ("ratio_on_cores", "cores shared / measured", ".3f"),
     ("one_process_ms", "one-process prediction ms", ".1f"),
@@ -197,3 +203,18 @@ def table2(name: str, costs: dict[int, LayerCosts], link: Link, ks: list[int], b
         if ref is not None and "step_ms" in r:
             r["normalized"] = ref["step_ms"] / r["step_ms"]
     return rows
+
+
+def replay_row(p: Prediction, traced: list[dict[str, Any]], link: Link, checkpoint: Checkpoint) -> dict[str, Any]:
+    """The validation row's replay columns: per traced step, ``replayed`` over the step; their medians and ratio's."""
+    if not all("units" in rank for rank in traced):  # a file from before the replay
+        return {}
+    steps = traced[0]["steps"]
+    replays = [replayed(p, traced, link, checkpoint, i) for i in range(len(steps))]
+    ratio = statistics.median(a / b for a, b in zip(replays, steps, strict=True))
+    return {
+        "traced_ms": statistics.median(steps) * 1e3,
+        "replayed_ms": statistics.median(replays) * 1e3,
+        "replayed_ratio": ratio,
+        "replayed_within": "yes" if abs(ratio - 1) <= TOLERANCE else "no",
+    }

@@ -10,9 +10,12 @@ import torch
 from torch import nn
 
 from benchmarks._lib.costmodel import LayerCosts, predict, profile_layers
+from benchmarks._lib.costmodel_ranks import action_times, replayed
+from benchmarks._lib.costmodel_report import replay_row
 from benchmarks._lib.gloo_link import Link, fit_host, fit_link
 from lightning_gpipe.pipe import batchnorm
 from lightning_gpipe.pipe.simulator import Costs
+from lightning_gpipe.pipe.trace import Event
 
 # Two layers, one per stage. Layer 0: forward 1 (no grad), 1.5 kept under grad, 1.25 recomputed, backward 2; layer 1:
 # 0.8 / 1 / 0.9, backward 2; the loss 0.5. Split (a rank that runs W's): kept forwards and recomputes 0.5 dearer,
@@ -168,3 +171,49 @@ def test_relative_step_is_the_paired_rounds_median_beside_the_prediction() -> No
     assert relative(1.25, {"gpipe": gpipe, "1f1b": other}, "1f1b")["relative_within"] == "no"  # 1.136 × measured
     assert relative(1.0, {"gpipe": gpipe}, "gpipe") == {"vs_gpipe_predicted": 1.0, "relative_within": "reference"}
     assert relative(1.2, {"zb-h1": other}, "zb-h1") == {}  # no GPipe measured: nothing to pair with
+
+
+def test_action_times_are_each_actions_own_time_from_the_previous_ones_end() -> None:
+    """An action runs from its previous one's end (the first: from its phase's start) to its own, less the waits for
+    a peer; a backward's recompute is counted apart. The engine's work between events (the send at 14–15, the
+    posting at 14–16) goes to the action it precedes."""
+    events = [
+        Event("step", 0, -1, 0, 100, "train"),
+        Event("recv-wait", 0, 0, 2, 5),
+        Event("forward", 0, 0, 5, 10),
+        Event("forward", 0, 1, 10, 14),
+        Event("send", 0, 1, 14, 15),
+        Event("recompute", 0, 0, 16, 20),
+        Event("recv-wait", 0, 0, 20, 24, "gradient"),
+        Event("backward", 0, 0, 24, 30),
+    ]
+    got = {key: seconds * 1e9 for key, seconds in action_times(events).items()}
+    want = {("forward", 0, 0): 7, ("forward", 1, 0): 4, ("recompute", 0, 0): 4, ("backward", 0, 0): 8}
+    assert got == pytest.approx(want)
+
+
+def test_replay_runs_the_simulator_on_the_traced_action_times() -> None:
+    """``replayed`` with the prediction's own costs as a traced step's action times gives the prediction's step; a
+    slower last-stage backward (3.5 instead of 2.5) gives the step worked out by hand; the row takes each traced
+    step's replay over that step, and the median."""
+    p = predict(LAYERS, LINK, "gpipe", 2, 2, checkpoint="except_last")
+    first = [["forward", m, 0, 1.0] for m in (0, 1)]
+    first += [[kind, m, 0, t] for m in (0, 1) for kind, t in (("recompute", 1.25), ("backward", 2.0))]
+
+    def last(backward: float) -> list[list]:
+        return [["forward", m, 0, 1.0] for m in (0, 1)] + [["backward", m, 0, backward] for m in (0, 1)]
+
+    steps = [11.45, 13.45, 12.0]
+    traced = [
+        {"units": [first, first, first], "updates": [0.25, 0.25, 0.25], "steps": steps},
+        {"units": [last(2.5), last(3.5), last(3.5)], "updates": [0.125, 0.125, 0.125], "steps": steps},
+    ]
+    assert replayed(p, traced, LINK, "except_last", 0) == pytest.approx(p.step)
+    # rank 1: B0 2.3–5.8, grad 0 at 6.2; F1 posts at 5.8, act 1 arrives 6.1: 6.1–7.1; B1 7.1–10.6, grad 1 at 11.0.
+    # rank 0: B0 6.2–8.2; B1 posts at 8.2, recomputes until 9.45, waits: 11.0–13.0. + status 0.2 + update 0.25.
+    assert replayed(p, traced, LINK, "except_last", 1) == pytest.approx(13.45)
+    row = replay_row(p, traced, LINK, "except_last")
+    assert row["replayed_ms"] == pytest.approx(13450) and row["traced_ms"] == pytest.approx(12000)
+    assert row["replayed_ratio"] == pytest.approx(1.0)  # the ratios 1, 1, 13.45 / 12
+    assert row["replayed_within"] == "yes"
+    assert replay_row(p, [{"step": 1.0}, {"step": 1.0}], LINK, "except_last") == {}  # traced before the replay
