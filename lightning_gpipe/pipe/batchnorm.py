@@ -166,12 +166,12 @@ class _Normalizations(TorchFunctionMode):
             if not tracks or is_recomputing():
                 return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
             assert layer.running_var is not None
-            if layer.running_var.dtype not in (torch.float32, torch.float64):  # half statistics: a second pass
-                output = F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
-                state.accumulate(x.detach(), factor)
-                return output
-            # Stand-in running statistics at momentum 1 take the kernel's own variance of the micro-batch.
-            mean, var = torch.zeros_like(layer.running_var), torch.ones_like(layer.running_var)
+            # Stand-in running statistics at momentum 1 take the kernel's own variance of the micro-batch; in half
+            # precision they would round it, so half statistics take a second pass in float64 (``unbiased=None``).
+            var = None
+            if layer.running_var.dtype in (torch.float32, torch.float64):
+                var = torch.ones_like(layer.running_var)
+            mean = None if var is None else torch.zeros_like(var)
             output = F.batch_norm(x, mean, var, weight, bias, True, 1.0, eps)
             state.accumulate(x.detach(), factor, unbiased=var)
             return output
