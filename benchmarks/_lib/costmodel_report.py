@@ -206,13 +206,16 @@ def table2(name: str, costs: dict[int, LayerCosts], link: Link, ks: list[int], b
 
 
 def replay_row(p: Prediction, traced: list[dict[str, Any]], link: Link, checkpoint: Checkpoint) -> dict[str, Any]:
-    """The validation row's replay columns: per traced step, ``replayed`` over the step; their medians and ratio's."""
+    """The validation row's replay columns: per traced step, ``replayed`` over the step (in the JSON); the medians of
+    the steps, of their replays and of the ratios."""
     if not all("units" in rank for rank in traced):  # a file from before the replay
         return {}
     steps = traced[0]["steps"]
     replays = [replayed(p, traced, link, checkpoint, i) for i in range(len(steps))]
-    ratio = statistics.median(a / b for a, b in zip(replays, steps, strict=True))
+    ratios = [a / b for a, b in zip(replays, steps, strict=True)]
+    ratio = statistics.median(ratios)
     return {
+        "replayed_per_step": ratios,
         "traced_ms": statistics.median(steps) * 1e3,
         "replayed_ms": statistics.median(replays) * 1e3,
         "replayed_ratio": ratio,

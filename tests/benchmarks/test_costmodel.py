@@ -214,6 +214,7 @@ def test_replay_runs_the_simulator_on_the_traced_action_times() -> None:
     assert replayed(p, traced, LINK, "except_last", 1) == pytest.approx(13.45)
     row = replay_row(p, traced, LINK, "except_last")
     assert row["replayed_ms"] == pytest.approx(13450) and row["traced_ms"] == pytest.approx(12000)
-    assert row["replayed_ratio"] == pytest.approx(1.0)  # the ratios 1, 1, 13.45 / 12
+    assert row["replayed_per_step"] == pytest.approx([1.0, 1.0, 13.45 / 12])
+    assert row["replayed_ratio"] == pytest.approx(1.0)
     assert row["replayed_within"] == "yes"
     assert replay_row(p, [{"step": 1.0}, {"step": 1.0}], LINK, "except_last") == {}  # traced before the replay
