@@ -282,7 +282,8 @@ def explain(diffs: dict[str, dict[int, dict]], curves: dict[str, dict[int, dict]
     early = ", ".join(f"K={k}: {d['rel'][0]:.1e}" for k, d in sorted(diffs["nmt dropout"].items()))
     lines.append(
         "- Dropout (`nmt dropout`, p = 0.1, gated): every layer draws its masks from a seed of (the step's seed, the "
-        "micro-batch, the layer's name) -- `lightning_gpipe.pipe.rng` -- not from its process's stream, so the masks "
+        "micro-batch, the layer's name) -- `lightning_gpipe.pipe.state.rng` -- not from its process's stream, "
+        "so the masks "
         f"do not depend on K and the curves coincide like the others (relative difference at step 0: {early})."
         + (f" `nmt dropout, reseeded` shows what other masks do: {reseed['rel'][0]:.1e} at step 0." if reseed else "")
     )

@@ -23,8 +23,8 @@ from torch import nn
 
 from benchmarks._lib import report
 from benchmarks._lib.machine import launch
-from lightning_gpipe.pipe.grads import BucketedAllReduce
-from lightning_gpipe.pipe.hierarchy import build_hierarchies
+from lightning_gpipe.pipe.dp.grads import BucketedAllReduce
+from lightning_gpipe.pipe.dp.hierarchy import build_hierarchies
 
 MODES = ("flat", "hierarchical")
 COLUMNS = [

@@ -30,8 +30,8 @@ from torch import nn
 from benchmarks._lib import report
 from benchmarks._lib.machine import launch
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
-from lightning_gpipe.pipe.grads import BucketedAllReduce, OverlappedReduction
-from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
+from lightning_gpipe.pipe.dp.grads import BucketedAllReduce, OverlappedReduction
+from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
 
 MODES = ("after", "drained", "in-pipe even", "in-pipe")
 COLUMNS = [

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks._lib import report
 from benchmarks._lib.machine import launch
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.batch_feed import BatchFeed
+from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
 
 MODES = ("every_stage", "first_stage")
 COLUMNS = [

@@ -23,7 +23,7 @@ from benchmarks._lib import report
 from benchmarks._lib.machine import Timing, add_timing_args, launch, measure, paired_ratio, stats, wait_quiet, zeroed
 from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
 from lightning_gpipe.pipe import GPipeStage, solve
-from lightning_gpipe.pipe.chunks import simulated_step, solve_chunks
+from lightning_gpipe.pipe.split.virtual_stages import simulated_step, solve_chunks
 
 K, V, M = 2, 2, 8
 SPLITS = ("per-chunk", "simulated")

@@ -10,7 +10,7 @@
 # stage, inside the pipeline; zb-h1's backward halves, I and W, count as backward; interleaved-1f1b on a stage of
 # its own with v = 2 chunks per rank, the backbone cut in 2K chunks as GPipeStage cuts it: chunks.solve_chunks).
 # Each step is traced on every stage (clocks lined up after a barrier), then broken down by
-# lightning_gpipe.pipe.trace_stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
+# lightning_gpipe.pipe.trace.stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
 # load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
 # the step, and the efficiency (the ideal GPipe step over the measured one); medians over the clean traced steps. One
 # Gantt chart per configuration. Writes <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>_<path>.png. Run
@@ -45,9 +45,9 @@ from benchmarks._lib.workloads import (
     resized,
 )
 from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
-from lightning_gpipe.pipe.chunks import solve_chunks
-from lightning_gpipe.pipe.gantt import plot_timeline
-from lightning_gpipe.pipe.trace import Event
+from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.trace.events import Event
+from lightning_gpipe.pipe.trace.gantt import plot_timeline
 
 # The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the
 # schedules of GPipeStage.forward_backward (the loss per micro-batch on the last stage, inside the pipeline).

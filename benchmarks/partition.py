@@ -23,7 +23,7 @@ from benchmarks._lib import report
 from benchmarks._lib.machine import steady_heap
 from lightning_gpipe.models.amoebanet import amoebanet_d
 from lightning_gpipe.models.transformer import transformer_nmt
-from lightning_gpipe.pipe.partition import costs_by_flops, costs_by_parameters, costs_by_time, solve
+from lightning_gpipe.pipe.split.balance import costs_by_flops, costs_by_parameters, costs_by_time, solve
 
 PARTITIONS = ("parameters", "flops", "time")
 

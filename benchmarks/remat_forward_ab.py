@@ -25,9 +25,9 @@ FORWARDS = ("no_grad", "grad mode, nothing saved")
 
 
 def run_job(rank: int, world: int, job: dict) -> dict[str, list[float]]:
-    import lightning_gpipe.pipe.executor as schedule_module
+    import lightning_gpipe.pipe.run.executor as schedule_module
     from lightning_gpipe.pipe import GPipeStage
-    from lightning_gpipe.pipe.rematerialize import discarded_graph
+    from lightning_gpipe.pipe.state.rematerialize import discarded_graph
 
     torch.manual_seed(0)
     size, schedule = job["size"], job["schedule"]

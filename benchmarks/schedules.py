@@ -9,7 +9,7 @@
 #    K=2 launch first fits gloo's latency and bandwidth by ping-pongs, and a message's host time on each end through
 #    the transport): a training step (stage.forward_backward with
 #    the loss per micro-batch on the last stage, then RMSprop) for every schedule the executor runs
-#    (pipe.schedules: ``runnable``), and by turns with them each rank's one-stage pipelines of its stages, co-run and
+#    (pipe.schedule.registry), and by turns with them each rank's one-stage pipelines of its stages, co-run and
 #    alone (the per-stage engine factors, _lib/costmodel_ranks.py), medians of clean steps; then five traced steps per
 #    schedule, whose time per rank and kind of work (medians) is set beside the simulator's (where the two part).
 #    Predicted vs measured, for K > usable cores as well (labelled oversubscribed; there the prediction also bounds the
@@ -67,9 +67,9 @@ from benchmarks._lib.workloads import (
     per_micro_batch,
 )
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.executor import Checkpoint
 from lightning_gpipe.pipe.microbatch import plan_sizes
-from lightning_gpipe.pipe.schedules import SCHEDULES
+from lightning_gpipe.pipe.run.executor import Checkpoint
+from lightning_gpipe.pipe.schedule.registry import SCHEDULES
 
 RUNNABLE = [name for name, spec in SCHEDULES.items() if spec.runnable]
 RUN_ON = {1: "gpipe", 2: "interleaved-1f1b"}  # per chunks per rank: the schedule whose balance the measured stage uses

@@ -25,8 +25,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks._lib import report, workloads
-from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
-from lightning_gpipe.pipe.weight_grad import WeightGrads
+from lightning_gpipe.pipe.run.weight_grad import WeightGrads
+from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm, deferred_statistics
 
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::convolution_backward")
 Pass = Callable[[], dict[str, float]]

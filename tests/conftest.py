@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lightning_gpipe.pipe.weight_grad import SPLIT_EVERY_OP
+from lightning_gpipe.pipe.run.weight_grad import SPLIT_EVERY_OP
 
 # zb-h1 splits an op only where that pays (weight_grad.split_pays), which no op of the tests' tiny models does on the
 # CPU: the tests split every op, in this process and the ones it starts, unless a test unsets it.

@@ -88,7 +88,7 @@ def test_the_wheel_holds_the_package_its_license_and_one_version(wheel: Path) ->
     assert metadata.get_all("Project-URL") and metadata["Author"]
     assert "timeline" in metadata.get_all("Provides-Extra", [])
     assert {n.split("/")[0] for n in names} == {"lightning_gpipe", info}  # no tests, examples or benchmarks
-    assert "lightning_gpipe/py.typed" in names and "lightning_gpipe/pipe/forward_backward.py" in names
+    assert "lightning_gpipe/py.typed" in names and "lightning_gpipe/pipe/run/loss_inside.py" in names
 
 
 @pytest.mark.timeout(300)

@@ -1,9 +1,9 @@
 """The simulator as a cost model: per-layer costs measured in one process, summed per stage, timed by simulate."""
 
-# What a stage's action costs (pipe.simulator.Costs, in seconds), from the layers it holds (``balance``), each
+# What a stage's action costs (pipe.schedule.simulator.Costs, in seconds), from the layers it holds (``balance``), each
 # measured on one micro-batch as the engine runs it:
-#   F: a dropped micro-batch's forward, without autograd on the CPU (pipe.rematerialize.first_forward); F_kept: a kept
-#      one's, under grad; which is which per micro-batch and chunk as ``schedules.keeps_graph`` decides.
+#   F: a dropped micro-batch's forward, without autograd on the CPU (pipe.state.rematerialize.first_forward);
+#      F_kept: a kept one's, under grad; which is which per micro-batch and chunk as ``schedules.keeps_graph`` decides.
 #   R: the recompute before the backward of a dropped micro-batch, under ``rematerialize.recomputing`` as the engine
 #      runs it: deferred BatchNorm normalizes without accumulating its statistics again (on AmoebaNet-D about 0.7 of
 #      a kept forward, which the recompute used to be charged).
@@ -56,13 +56,13 @@ from torch import nn
 from benchmarks._lib.gloo_link import Link
 from lightning_gpipe.pipe import solve
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
-from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
-from lightning_gpipe.pipe.chunks import solve_chunks
-from lightning_gpipe.pipe.executor import Checkpoint
-from lightning_gpipe.pipe.rematerialize import recomputing
-from lightning_gpipe.pipe.schedules import fuse_halves, keeps_graph, lookup
-from lightning_gpipe.pipe.simulator import Costs, simulate
-from lightning_gpipe.pipe.weight_grad import WeightGrads
+from lightning_gpipe.pipe.run.executor import Checkpoint
+from lightning_gpipe.pipe.run.weight_grad import WeightGrads
+from lightning_gpipe.pipe.schedule.registry import fuse_halves, keeps_graph, lookup
+from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
+from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm, deferred_statistics
+from lightning_gpipe.pipe.state.rematerialize import recomputing
 
 
 @dataclass

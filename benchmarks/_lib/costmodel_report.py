@@ -12,8 +12,8 @@ from benchmarks._lib.costmodel_ranks import PARTS, engines_of, replayed
 from benchmarks._lib.gloo_link import Link
 from benchmarks._lib.machine import paired_interval, paired_ratio
 from benchmarks._lib.workloads import PAPER_TABLE2
-from lightning_gpipe.pipe.executor import Checkpoint
-from lightning_gpipe.pipe.schedules import SCHEDULES
+from lightning_gpipe.pipe.run.executor import Checkpoint
+from lightning_gpipe.pipe.schedule.registry import SCHEDULES
 
 V = {"interleaved-1f1b": 2}  # chunks per rank where a schedule needs several
 TOLERANCE = 0.10

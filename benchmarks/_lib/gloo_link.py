@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.pipe.transport import TensorMeta, Transport
+from lightning_gpipe.pipe.comm.transport import TensorMeta, Transport
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from benchmarks._lib.memory_models import build, layer_costs, loss_fn
 from benchmarks._lib.memory_probe import Meter, state_bytes
 from benchmarks._lib.workloads import per_micro_batch
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.schedules import lookup
-from lightning_gpipe.pipe.simulator import simulate
+from lightning_gpipe.pipe.schedule.registry import lookup
+from lightning_gpipe.pipe.schedule.simulator import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1", "interleaved-1f1b": "interleaved 1F1B"}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from benchmarks._lib.machine import Timing, pause_until_quiet, timed
 from lightning_gpipe.pipe import GPipeStage, gather_events, write_chrome_trace
-from lightning_gpipe.pipe.trace import COMPUTE
+from lightning_gpipe.pipe.trace.events import COMPUTE
 
 
 def trace_step(stage: GPipeStage, step: Callable[[], Any], timing: Timing, path: str) -> dict:

@@ -12,9 +12,9 @@ from torch import nn
 
 from lightning_gpipe.models import amoebanet_d, transformer_nmt
 from lightning_gpipe.pipe import GPipeStage, solve
-from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm, deferred_statistics
-from lightning_gpipe.pipe.chunks import solve_chunks
-from lightning_gpipe.pipe.partition import costs_by_time, resolve_balance
+from lightning_gpipe.pipe.split.balance import costs_by_time, resolve_balance
+from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm, deferred_statistics
 
 SEED, PAD, BOS = 0, 0, 1
 

@@ -1,20 +1,20 @@
 """The GPipe engine: partitioning, micro-batching, transport, schedule and stages; depends on torch only."""
 
-from lightning_gpipe.pipe.batchnorm import (
+from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
+from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch_weights, split
+from lightning_gpipe.pipe.run.executor import Checkpoint
+from lightning_gpipe.pipe.run.loss_inside import ScheduleName
+from lightning_gpipe.pipe.skips import Pop, Stash, pop, skippable, stash
+from lightning_gpipe.pipe.split.balance import Balance, resolve_balance, solve
+from lightning_gpipe.pipe.stage import GPipeStage
+from lightning_gpipe.pipe.state.batchnorm import (
     DeferredBatchNorm,
     convert_deferred_batch_norm,
     revert_deferred_batch_norm,
 )
-from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
-from lightning_gpipe.pipe.executor import Checkpoint
-from lightning_gpipe.pipe.forward_backward import ScheduleName
-from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch_weights, split
-from lightning_gpipe.pipe.partition import Balance, resolve_balance, solve
-from lightning_gpipe.pipe.rematerialize import is_recomputing
-from lightning_gpipe.pipe.skips import Pop, Stash, pop, skippable, stash
-from lightning_gpipe.pipe.stage import GPipeStage
-from lightning_gpipe.pipe.trace import Timeline, gather_events, read_chrome_trace, write_chrome_trace
-from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble
+from lightning_gpipe.pipe.state.rematerialize import is_recomputing
+from lightning_gpipe.pipe.trace.events import Timeline, gather_events, read_chrome_trace, write_chrome_trace
+from lightning_gpipe.pipe.trace.stats import breakdown, theoretical_bubble
 
 __all__ = [
     "Balance",

@@ -13,37 +13,37 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe._torch_internals import tree_map
-from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
-from lightning_gpipe.pipe.buffers import StatefulBuffers
-from lightning_gpipe.pipe.chunks import (
-    ChunkLayers,
-    agree_on_chunks,
-    check_virtual_stages,
-    held_stages,
-    shared_over_ranks,
-)
-from lightning_gpipe.pipe.executor import Checkpoint, Executor, validate_checkpoint
-from lightning_gpipe.pipe.failures import FailureHandler, skip_notices
-from lightning_gpipe.pipe.forward_backward import (
+from lightning_gpipe.pipe.comm.groups import process_groups, skip_groups
+from lightning_gpipe.pipe.comm.links import Links
+from lightning_gpipe.pipe.comm.status import StatusCheck
+from lightning_gpipe.pipe.comm.transport import DEFAULT_TIMEOUT_S, Transport
+from lightning_gpipe.pipe.microbatch import plan_sizes
+from lightning_gpipe.pipe.run.executor import Checkpoint, Executor, validate_checkpoint
+from lightning_gpipe.pipe.run.failures import FailureHandler, skip_notices
+from lightning_gpipe.pipe.run.loss_inside import (
     LossFn,
     ScheduleName,
     check_schedule,
     forward_backward,
     validate_schedule,
 )
-from lightning_gpipe.pipe.groups import process_groups, skip_groups
-from lightning_gpipe.pipe.indexing import LayerIndex, RemoteLayer
-from lightning_gpipe.pipe.links import Links
-from lightning_gpipe.pipe.microbatch import plan_sizes
-from lightning_gpipe.pipe.partition import Balance, stage_layers
-from lightning_gpipe.pipe.phases import backward_phase, evaluate, forward_phase
-from lightning_gpipe.pipe.records import OutputMode, Step, validate_output_mode
-from lightning_gpipe.pipe.rng import mix, name_key, reseed
+from lightning_gpipe.pipe.run.loss_outside import backward_phase, evaluate, forward_phase
+from lightning_gpipe.pipe.run.records import OutputMode, Step, validate_output_mode
 from lightning_gpipe.pipe.skips import current_tray, plan_skips, skip_pairs
-from lightning_gpipe.pipe.status import StatusCheck
-from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import DEFAULT_TIMEOUT_S, Transport
-from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
+from lightning_gpipe.pipe.split.balance import Balance, stage_layers
+from lightning_gpipe.pipe.split.indexing import LayerIndex, RemoteLayer
+from lightning_gpipe.pipe.split.rules import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
+from lightning_gpipe.pipe.split.virtual_stages import (
+    ChunkLayers,
+    agree_on_chunks,
+    check_virtual_stages,
+    held_stages,
+    shared_over_ranks,
+)
+from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm
+from lightning_gpipe.pipe.state.buffers import StatefulBuffers
+from lightning_gpipe.pipe.state.rng import mix, name_key, reseed
+from lightning_gpipe.pipe.trace.events import Timeline
 
 
 class GPipeStage(nn.Module):
@@ -73,7 +73,7 @@ class GPipeStage(nn.Module):
             NCCL runs one group's transfers in posting order, so both directions on one group would deadlock (made
             for you over the world; needed with an NCCL subgroup; gloo uses ``group`` for both, see ``transport``).
         deferred_batch_norm: defer the running statistics of every BatchNorm layer, in place (subclasses keep their
-            forward; see :func:`~lightning_gpipe.pipe.batchnorm.convert_deferred_batch_norm`).
+            forward; see :func:`~lightning_gpipe.pipe.state.batchnorm.convert_deferred_batch_norm`).
         output: ``"last"`` returns the output on the last stage only; ``"all"`` on every stage; ``"placeholder"``
             gives the other stages zeros of the same structure, shapes and dtypes (no tensor data crosses).
             Settable later as :attr:`output_mode`.
@@ -111,8 +111,10 @@ class GPipeStage(nn.Module):
         check_plain_sequential(module, "GPipeStage(module)")
         # Without torch.distributed it normalizes as BatchNorm does; with it, it syncs over the other stages too.
         if dist.is_available() and dist.is_initialized() and (norms := sync_batch_norms(module)):
-            fix = "call lightning_gpipe.pipe.batchnorm.sync_deferred_batch_norm(stage, group) with the group of this "
-            raise TypeError(sync_batch_norm_error(norms, "GPipeStage(module)", fix + "stage's data-parallel replicas"))
+            fix = "call lightning_gpipe.pipe.state.batchnorm.sync_deferred_batch_norm(stage, group) with the group of "
+            raise TypeError(
+                sync_batch_norm_error(norms, "GPipeStage(module)", fix + "this stage's data-parallel replicas")
+            )
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks (M, the number of micro-batches) must be an int ≥ 1, got {chunks!r}")
         output = validate_output_mode(output, "output")
@@ -363,7 +365,7 @@ class GPipeStage(nn.Module):
         before_last_backward: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
         """A whole training step with the loss inside the pipeline, forward and backward, no optimizer step (see
-        ``pipe/forward_backward.py``).
+        ``pipe/run/loss_inside.py``).
 
         ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` on each micro-batch's
         output as soon as it exists and back-propagates the scalar it returns at once (weight it: ``n_m / N`` for a
@@ -371,9 +373,9 @@ class GPipeStage(nn.Module):
         ``schedule`` is ``"gpipe"`` (all M micro-batches in flight before the first backward on stages before the
         last), ``"1f1b"`` (at most K − k on stage k: less activation memory, the same bubble) or ``"zb-h1"`` (1F1B
         with each backward split: the weight gradients of linear, convolution and embedding ops wait, as
-        ``pipe/weight_grad.py`` keeps them, to fill the drain); their times are measured in ``benchmarks/README.md``.
+        ``pipe/run/weight_grad.py`` keeps them, to fill the drain); their times: ``benchmarks/README.md``.
         ``"interleaved-1f1b"`` needs ``virtual_stages`` ≥ 2 (the others 1): 1F1B over the rank's v chunks, the bubble
-        divided by v, for more activations in flight; ``chunks`` must suit it (see ``pipe/schedules.py``).
+        divided by v, for more activations in flight; ``chunks`` must suit it (see ``pipe/schedule/registry.py``).
         ``drained`` runs once this stage's gradients are complete, before waiting for the other stages;
         ``before_last_backward`` right before the stage's last backward op (e.g. to reduce gradients as they end).
         """

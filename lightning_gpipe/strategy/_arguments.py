@@ -12,10 +12,10 @@ from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import BatchNormBase
-from lightning_gpipe.pipe.executor import CHECKPOINT_MODES
-from lightning_gpipe.pipe.forward_backward import SCHEDULES, ScheduleName, check_schedule
-from lightning_gpipe.pipe.schedules import lookup
-from lightning_gpipe.pipe.unsupported import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
+from lightning_gpipe.pipe.run.executor import CHECKPOINT_MODES
+from lightning_gpipe.pipe.run.loss_inside import SCHEDULES, ScheduleName, check_schedule
+from lightning_gpipe.pipe.schedule.registry import lookup
+from lightning_gpipe.pipe.split.rules import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 from lightning_gpipe.strategy._balance import BALANCE_NAMES
 from lightning_gpipe.strategy._batches import CHECK_BATCHES, DATA_LOADINGS
 from lightning_gpipe.strategy._mesh import DP_REDUCTIONS

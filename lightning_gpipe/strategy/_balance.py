@@ -13,7 +13,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split, split_by_sizes
-from lightning_gpipe.pipe.partition import (
+from lightning_gpipe.pipe.split.balance import (
     Balance,
     Solver,
     costs_by_flops,

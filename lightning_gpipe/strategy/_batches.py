@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.pipe.batch_feed import BatchFeed
+from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
 from lightning_gpipe.pipe.microbatch import tensors
 from lightning_gpipe.strategy._audit import logger
 from lightning_gpipe.strategy._mesh import PipelineMesh

@@ -14,8 +14,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_gpipe.pipe.groups import runs_in_order
-from lightning_gpipe.pipe.hierarchy import Hierarchy, build_hierarchies
+from lightning_gpipe.pipe.comm.groups import runs_in_order
+from lightning_gpipe.pipe.dp.hierarchy import Hierarchy, build_hierarchies
 from lightning_gpipe.strategy._audit import logger
 from lightning_gpipe.strategy._lightning_internals import init_dist_connection
 
@@ -33,7 +33,7 @@ class PipelineMesh:
     the stages vote there on which copied gradients to sum). ``dp_cpu_group``: the same ranks as ``dp_group`` over
     gloo, where the replicas vote on which gradients to average: a host-side fact, read without waiting for the GPU.
     ``upstream_group``: the same ranks again, for the tensors that flow to lower stages, where one group would run
-    both directions in one order (NCCL: see ``pipe.transport``), else ``pp_group``.
+    both directions in one order (NCCL: see ``pipe.comm.transport``), else ``pp_group``.
     ``timeout_s``: how long a rank waits for another, the process groups' timeout. ``dp_hierarchy``: this rank's
     part of the hierarchical data-parallel reduction, or None for the flat one. ``input_group``: the pipeline's
     stages over gloo for the batches stage 0 loads for them (``data_loading="first_stage"``), else None.

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe._torch_internals import tree_map
-from lightning_gpipe.pipe.grads import PendingReduction
+from lightning_gpipe.pipe.dp.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
 from lightning_gpipe.strategy._micro_batch_logs import (
     LogRecorder,

@@ -11,11 +11,11 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
-from lightning_gpipe.pipe.batchnorm import sync_deferred_batch_norm
-from lightning_gpipe.pipe.chunks import solve_chunks
-from lightning_gpipe.pipe.executor import Checkpoint
-from lightning_gpipe.pipe.grads import OverlappedReduction, PendingReduction
-from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
+from lightning_gpipe.pipe.dp.grads import OverlappedReduction, PendingReduction
+from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
+from lightning_gpipe.pipe.run.executor import Checkpoint
+from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.state.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import check_backbone_layers, check_interleaving
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit, check_loss

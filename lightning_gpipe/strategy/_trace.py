@@ -12,8 +12,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.trace import Event, gather_events, write_chrome_trace
-from lightning_gpipe.pipe.trace_stats import summary_line
+from lightning_gpipe.pipe.trace.events import Event, gather_events, write_chrome_trace
+from lightning_gpipe.pipe.trace.stats import summary_line
 from lightning_gpipe.strategy._mesh import PipelineMesh
 
 Closure = Callable[[], Any]
@@ -90,7 +90,7 @@ class StepTracer:
         timeline.clear()
         if not stage.is_first:
             return
-        from lightning_gpipe.pipe.gantt import plot_timeline
+        from lightning_gpipe.pipe.trace.gantt import plot_timeline
 
         out.mkdir(parents=True, exist_ok=True)
         stats = plot_timeline(events, out / f"step_{step}.png", title=f"step {step}")

@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.clipping import clip_grad_norm_
-from lightning_gpipe.pipe.grads import sum_over_pipeline
+from lightning_gpipe.pipe.dp.clipping import clip_grad_norm_
+from lightning_gpipe.pipe.dp.grads import sum_over_pipeline
 from lightning_gpipe.strategy._audit import outside_modules
 from lightning_gpipe.strategy._lightning_internals import broadcast_coalesced, route_norm_clipping
 
@@ -36,7 +36,7 @@ class WeightCopies:
       vote on which gradients to sum, where the world's backend is not gloo).
 
     The sums' votes run over gloo groups (``header_group``, the same ranks as ``pp_group``; default ``pp_group``),
-    so that the host never waits for the GPU to read them (see ``pipe.grads.used_somewhere``). Built collectively
+    so that the host never waits for the GPU to read them (see ``pipe.dp.grads.used_somewhere``). Built collectively
     (``new_group`` must be called by every rank in the same order).
     """
 

@@ -25,8 +25,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
-from lightning_gpipe.pipe.batch_feed import BatchFeed
-from lightning_gpipe.pipe.executor import Checkpoint
+from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
+from lightning_gpipe.pipe.run.executor import Checkpoint
 from lightning_gpipe.strategy import _checkpoint_files as checkpointing
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (

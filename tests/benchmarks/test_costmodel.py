@@ -13,9 +13,9 @@ from benchmarks._lib.costmodel import LayerCosts, predict, profile_layers
 from benchmarks._lib.costmodel_ranks import action_times, replayed
 from benchmarks._lib.costmodel_report import replay_row
 from benchmarks._lib.gloo_link import Link, fit_host, fit_link
-from lightning_gpipe.pipe import batchnorm
-from lightning_gpipe.pipe.simulator import Costs
-from lightning_gpipe.pipe.trace import Event
+from lightning_gpipe.pipe.schedule.simulator import Costs
+from lightning_gpipe.pipe.state import batchnorm
+from lightning_gpipe.pipe.trace.events import Event
 
 # Two layers, one per stage. Layer 0: forward 1 (no grad), 1.5 kept under grad, 1.25 recomputed, backward 2; layer 1:
 # 0.8 / 1 / 0.9, backward 2; the loss 0.5. Split (a rank that runs W's): kept forwards and recomputes 0.5 dearer,

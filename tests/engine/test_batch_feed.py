@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.pipe.batch_feed import pack, unpack
+from lightning_gpipe.pipe.comm.batch_feed import pack, unpack
 from tests.helpers.launch import run_distributed
 
 Pair = namedtuple("Pair", ["x", "y"])
@@ -64,7 +64,7 @@ class _Loader:
 
 
 def _feed_worker(rank: int, world_size: int) -> tuple:
-    from lightning_gpipe.pipe.batch_feed import BatchFeed
+    from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
 
     group = dist.new_group(list(range(world_size)), backend="gloo")
     feed = BatchFeed(group, is_source=rank == 0, timeout_s=30.0)
@@ -100,7 +100,7 @@ def test_every_stage_gets_stage_zeros_batches_in_order() -> None:
 
 
 def _failing_worker(rank: int, world_size: int) -> str:
-    from lightning_gpipe.pipe.batch_feed import BatchFeed
+    from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
 
     group = dist.new_group(list(range(world_size)), backend="gloo")
     feed = BatchFeed(group, is_source=rank == 0, timeout_s=30.0)

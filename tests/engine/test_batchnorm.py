@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_gpipe.pipe.batchnorm import (
+from lightning_gpipe.pipe.state.batchnorm import (
     DeferredBatchNorm,
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
@@ -19,7 +19,7 @@ from lightning_gpipe.pipe.batchnorm import (
     is_deferring,
     revert_deferred_batch_norm,
 )
-from lightning_gpipe.pipe.rematerialize import recomputing
+from lightning_gpipe.pipe.state.rematerialize import recomputing
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
-from lightning_gpipe.pipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm, deferred_statistics
+from lightning_gpipe.pipe.state.batchnorm import (
+    commit_deferred_batch_norm,
+    convert_deferred_batch_norm,
+    deferred_statistics,
+)
 from tests.helpers.launch import run_distributed
 
 pytestmark = pytest.mark.timeout(200)

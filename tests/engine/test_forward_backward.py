@@ -15,10 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.errors import PipelineError
-from lightning_gpipe.pipe.forward_backward import SCHEDULES, LossFn, rank_actions, validate_schedule
-from lightning_gpipe.pipe.schedules import SCHEDULES as REGISTRY
-from lightning_gpipe.pipe.schedules import Action, keeps_graph
-from lightning_gpipe.pipe.simulator import Costs, simulate
+from lightning_gpipe.pipe.run.loss_inside import SCHEDULES, LossFn, rank_actions, validate_schedule
+from lightning_gpipe.pipe.schedule.registry import SCHEDULES as REGISTRY
+from lightning_gpipe.pipe.schedule.registry import Action, keeps_graph
+from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from tests.helpers import models
 from tests.helpers.launch import run_distributed
 from tests.helpers.parity import (

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.clipping import clip_grad_norm_, global_grad_norm
-from lightning_gpipe.pipe.grads import BucketedAllReduce, OverlappedReduction, sum_over_pipeline
+from lightning_gpipe.pipe.dp.clipping import clip_grad_norm_, global_grad_norm
+from lightning_gpipe.pipe.dp.grads import BucketedAllReduce, OverlappedReduction, sum_over_pipeline
 from tests.helpers.launch import run_distributed
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
@@ -466,7 +466,7 @@ def test_drained_runs_before_the_status_check_waits_for_the_slowest_stage() -> N
 def _vote_check(rank: int, world_size: int) -> list[tuple[str, str, str]]:
     """Reductions over groups that claim NCCL, with gloo vote groups over the same ranks: every flag stays on the CPU
     and goes to a vote group, every gradient bucket to the reduction's group; the means are those of the default."""
-    from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
+    from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
 
     dp, votes, pp, pp_votes = (dist.new_group([0, 1]) for _ in range(4))  # collective: all create all, in order
     solo = [dist.new_group([r]) for r in range(world_size)]

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.grads import BucketedAllReduce, OverlappedReduction
-from lightning_gpipe.pipe.hierarchy import build_hierarchies
-from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
+from lightning_gpipe.pipe.dp.grads import BucketedAllReduce, OverlappedReduction
+from lightning_gpipe.pipe.dp.hierarchy import build_hierarchies
+from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
 from tests.helpers.launch import run_distributed
 
 

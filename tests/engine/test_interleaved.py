@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
+from lightning_gpipe.pipe.comm.nccl_order import ENV
+from lightning_gpipe.pipe.dp.grads import sum_over_pipeline
 from lightning_gpipe.pipe.errors import PipelineError
-from lightning_gpipe.pipe.gantt import block_label
-from lightning_gpipe.pipe.grads import sum_over_pipeline
-from lightning_gpipe.pipe.nccl_order import ENV
+from lightning_gpipe.pipe.trace.gantt import block_label
 from tests.helpers import models
 from tests.helpers.launch import run_distributed
 
@@ -251,7 +251,7 @@ def test_phases_evaluation_and_timeline_with_chunks(ordered: bool) -> None:
     r0, r1 = run_distributed(phases_worker, 2, ordered, timeout=50)
     for rank, r in enumerate((r0, r1)):
         assert all(e <= 1e-12 for e in r["errs"].values()), (rank, r["errs"])
-    # The order drawn in pipe/schedules.py for K = 2, M = 4, v = 2 (B = backward, the recompute apart).
+    # The order drawn in pipe/schedule/registry.py for K = 2, M = 4, v = 2 (B = backward, the recompute apart).
     assert " ".join(r0["labels"]) == "F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a B2b B3b B2a B3a"
     assert " ".join(r1["labels"]) == "F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a"
     assert "forward 3b" in r0["names"] and "backward 0a" in r1["names"]
@@ -349,8 +349,8 @@ def test_a_failure_reaches_every_rank_around_the_ring() -> None:
 def test_a_message_for_another_chunk_is_refused_by_its_header() -> None:
     """gloo hands over messages in the order they were sent: rank 0's chunk b (stage 2) checks that its input is
     micro-batch m's from stage 1, not from another stage, and a gradient is checked alike."""
-    from lightning_gpipe.pipe.links import Links, check_header
-    from lightning_gpipe.pipe.trace import Timeline
+    from lightning_gpipe.pipe.comm.links import Links, check_header
+    from lightning_gpipe.pipe.trace.events import Timeline
 
     class Sent:
         def recv(self, src: int, what: str) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage, solve
-from lightning_gpipe.pipe import chunks as chunks_module
-from lightning_gpipe.pipe.chunks import solve_chunks
-from lightning_gpipe.pipe.schedules import lookup
-from lightning_gpipe.pipe.simulator import Costs, simulate
+from lightning_gpipe.pipe.schedule.registry import lookup
+from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
+from lightning_gpipe.pipe.split import virtual_stages as chunks_module
+from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
 from tests.helpers.launch import run_distributed
 
 # F + B per micro-batch (ms) of the overhead benchmark's Transformer, as its traced interleaved steps ran them on this

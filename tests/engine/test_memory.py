@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_gpipe.pipe.phases import is_checkpointed
+from lightning_gpipe.pipe.run.loss_outside import is_checkpointed
 from lightning_gpipe.pipe.stage import GPipeStage
 from tests.helpers.launch import run_distributed
 from tests.helpers.models import loss_fn, make_input, mlp

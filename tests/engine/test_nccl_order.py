@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.forward_backward import SCHEDULES as RUNNABLE
-from lightning_gpipe.pipe.nccl_order import ENV, OrderedP2P, P2POrderError
-from lightning_gpipe.pipe.schedules import SCHEDULES as REGISTRY
-from lightning_gpipe.pipe.transport import Transport
+from lightning_gpipe.pipe.comm.nccl_order import ENV, OrderedP2P, P2POrderError
+from lightning_gpipe.pipe.comm.transport import Transport
+from lightning_gpipe.pipe.run.loss_inside import SCHEDULES as RUNNABLE
+from lightning_gpipe.pipe.schedule.registry import SCHEDULES as REGISTRY
 from tests.helpers.launch import run_distributed
 
 # One chunk per rank (interleaving runs under these rules in test_interleaved.py).
@@ -207,7 +207,7 @@ def test_every_path_runs_under_nccl_rules(K: int, world_size: int) -> None:
 
 def _old_layout(rank: int, world_size: int) -> str:
     """The transport as it was: activations and gradients on one group, which the stage now refuses."""
-    import lightning_gpipe.pipe.groups as groups_module
+    import lightning_gpipe.pipe.comm.groups as groups_module
 
     _ordered()
     groups_module.check_upstream_group = lambda group, upstream: None  # type: ignore[assignment]

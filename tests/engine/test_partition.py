@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.pipe.partition import (
+from lightning_gpipe.pipe.split.balance import (
     costs_by_flops,
     costs_by_function,
     costs_by_parameters,
@@ -349,7 +349,7 @@ def test_stage_layers_errors() -> None:
 
 
 def test_shared_parameters_lists_weights_used_on_several_stages() -> None:
-    from lightning_gpipe.pipe.partition import shared_parameters
+    from lightning_gpipe.pipe.split.balance import shared_parameters
 
     first, middle, last = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
     last.weight = first.weight
@@ -362,7 +362,7 @@ def test_shared_parameters_lists_weights_used_on_several_stages() -> None:
 
 def test_last_stage_scale_moves_layers_to_the_last_stage() -> None:
     """With the loss inside the pipeline the last stage does not recompute: its layers weigh 3/4 as much."""
-    from lightning_gpipe.pipe.partition import solve
+    from lightning_gpipe.pipe.split.balance import solve
 
     costs = [1.0] * 7
     assert solve(costs, 2) == [4, 3]

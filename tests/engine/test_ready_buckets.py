@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
-from lightning_gpipe.pipe.grads import BucketedAllReduce
-from lightning_gpipe.pipe.ready_buckets import ReadyBuckets
+from lightning_gpipe.pipe.dp.grads import BucketedAllReduce
+from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
 from tests.helpers import models
 from tests.helpers.launch import run_distributed
 

@@ -1,4 +1,4 @@
-"""Schedules as data (``pipe.schedules``) run on the simulator: valid over a grid, their known times and memory,
+"""Schedules as data (``pipe.schedule.registry``) run on the simulator: valid over a grid, their known times and memory,
 the drawn diagrams, and the errors of a schedule that is wrong or that NCCL's ordering rules would hang."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-import lightning_gpipe.pipe.schedules as schedules_module
-from lightning_gpipe.pipe.schedules import SCHEDULES, Action, lookup
-from lightning_gpipe.pipe.simulator import Costs, ScheduleError, draw, simulate
+import lightning_gpipe.pipe.schedule.registry as schedules_module
+from lightning_gpipe.pipe.schedule.registry import SCHEDULES, Action, lookup
+from lightning_gpipe.pipe.schedule.simulator import Costs, ScheduleError, draw, simulate
 
 
 def _cells(row: str) -> str:
@@ -21,7 +21,7 @@ def _cells(row: str) -> str:
 
 
 def drawn(name: str) -> tuple[list[str], list[int]]:
-    """The rows drawn for ``name`` in pipe.schedules' docstring, and its line of peaks."""
+    """The rows drawn for ``name`` in pipe.schedule.registry' docstring, and its line of peaks."""
     rows: list[str] = []
     peak: list[int] = []
     column = None

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage, Pop, Stash, pop, resolve_balance, skippable, stash
-from lightning_gpipe.pipe.nccl_order import ENV
+from lightning_gpipe.pipe.comm.nccl_order import ENV
 from lightning_gpipe.pipe.skips import plan_skips
 from tests.helpers.launch import run_distributed
 
@@ -284,7 +284,7 @@ def failing_worker(rank: int, world_size: int) -> dict[str, Any]:
     which then waits for them (not for a neighbour): the failure notice must reach it on the skips' tag."""
     import time
 
-    from lightning_gpipe.pipe.links import Links
+    from lightning_gpipe.pipe.comm.links import Links
 
     warnings.simplefilter("ignore")
     if rank == 2:

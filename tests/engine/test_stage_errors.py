@@ -187,7 +187,7 @@ class Scaled(nn.Module):
 
 @pytest.mark.timeout(10)
 def test_a_sublayer_of_another_stages_layer_names_that_stage() -> None:
-    from lightning_gpipe.pipe.indexing import RemoteLayer
+    from lightning_gpipe.pipe.split.indexing import RemoteLayer
 
     remote = RemoteLayer("layer 0 (Sequential) is on stage 0; this rank is stage 1 and holds layers 3–5")
     with pytest.raises(TypeError, match=r"layer 0 \(Sequential\) is on stage 0.*sublayer \[0\] is only there"):

@@ -275,8 +275,8 @@ def test_recompute_repeats_the_forward_of_attention_with_dropout() -> None:
 def test_the_accelerators_first_forward_keeps_nothing_and_repeats_on_the_cpu_too(monkeypatch: Any) -> None:
     """What GPUs run for a checkpointed forward (grad enabled, nothing saved), forced on the CPU: the same gradients
     as the kept graphs, and the graph it builds holds no tensor, so back-propagating it fails loudly."""
-    import lightning_gpipe.pipe.executor as schedule_module
-    from lightning_gpipe.pipe.rematerialize import discarded_graph
+    import lightning_gpipe.pipe.run.executor as schedule_module
+    from lightning_gpipe.pipe.state.rematerialize import discarded_graph
 
     monkeypatch.setattr(schedule_module, "first_forward", lambda device: discarded_graph())
     never, always = attention_grads("never", "cpu"), attention_grads("always", "cpu")

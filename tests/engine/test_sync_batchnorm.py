@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
-from lightning_gpipe.pipe.batchnorm import (
+from lightning_gpipe.pipe.dp.grads import BucketedAllReduce
+from lightning_gpipe.pipe.state.batchnorm import (
     _deferral,
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
@@ -24,7 +25,6 @@ from lightning_gpipe.pipe.batchnorm import (
     is_deferred,
     sync_deferred_batch_norm,
 )
-from lightning_gpipe.pipe.grads import BucketedAllReduce
 from tests.helpers.launch import run_distributed
 
 TOL = 1e-6  # fp32, relative to the largest magnitude of the reference tensor

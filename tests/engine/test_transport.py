@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from lightning_gpipe.pipe.comm.transport import HEADER_BYTES, OUTPUT_TAG, TensorMeta, Transport
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
-from lightning_gpipe.pipe.transport import HEADER_BYTES, OUTPUT_TAG, TensorMeta, Transport
 from tests.helpers.launch import run_distributed
 
 # Module level: the receiver unpickles it from the header's skeleton.
@@ -232,8 +232,8 @@ def test_gloo_and_nccl_failures_of_a_peer_are_named(text: str, kind: str | None)
 
 def test_a_stage_that_gets_another_micro_batch_than_it_waits_for_says_so() -> None:
     """gloo hands over messages in the order they were sent, whatever the receiver meant: the header's m is checked."""
-    from lightning_gpipe.pipe.links import Links
-    from lightning_gpipe.pipe.trace import Timeline
+    from lightning_gpipe.pipe.comm.links import Links
+    from lightning_gpipe.pipe.trace.events import Timeline
 
     class Sent:
         def __init__(self, m: int) -> None:

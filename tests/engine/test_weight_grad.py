@@ -1,4 +1,4 @@
-"""zb-h1's split backward (pipe.weight_grad): I then W give autograd's gradients bit for bit, hooks fire once, at W."""
+"""zb-h1's split backward (pipe.run.weight_grad): I then W give autograd's gradients bit for bit, hooks fire at W."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_gpipe.pipe.weight_grad import WeightGrads
+from lightning_gpipe.pipe.run.weight_grad import WeightGrads
 from tests.engine.test_forward_backward import mixed
 from tests.helpers import models
 
@@ -169,7 +169,7 @@ def test_the_mode_runs_inside_modules_holding_a_matrix_only() -> None:
     """Activations, containers and norms (vectors) run without the mode, deferred BatchNorm with its own; a Linear on
     an input without grad inside it; a plain Linear on an input with grad without it, its parameters out of autograd
     for the call only; every hook is gone after close()."""
-    from lightning_gpipe.pipe.batchnorm import convert_deferred_batch_norm
+    from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm
 
     seen: list[str] = []
 
@@ -278,8 +278,8 @@ def test_the_engines_own_forward_that_saves_nothing_still_splits() -> None:
     """Under ``rematerialize.discarded_graph`` (a checkpointed micro-batch's first forward on a GPU: grad on, nothing
     saved) the ops route as in any forward with a graph, so the step's first forward tells which modules split: a
     module judged not to route there would lose its hooks, and zb-h1 would run as 1F1B."""
-    from lightning_gpipe.pipe.rematerialize import discarded_graph
-    from lightning_gpipe.pipe.split_ops import saves_as_autograd
+    from lightning_gpipe.pipe.run.weight_grad_ops import saves_as_autograd
+    from lightning_gpipe.pipe.state.rematerialize import discarded_graph
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     weights = WeightGrads(model, (2, 3))
@@ -297,7 +297,7 @@ def test_the_engines_own_forward_that_saves_nothing_still_splits() -> None:
 def test_w_puts_each_ops_gradients_into_grad_before_the_next_op_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """W holds one op's results at a time (a stage's every weight gradient at once wrote fresh memory page by page),
     and a weight used twice reaches .grad once, its two gradients summed first: autograd's sums, bit for bit."""
-    from lightning_gpipe.pipe import weight_grad
+    from lightning_gpipe.pipe.run import weight_grad
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), Twice(), nn.Linear(6, 6, bias=False), nn.Linear(6, 3))

@@ -21,7 +21,7 @@ from lightning_gpipe.models.transformer import (
     transformer_nmt_num_parameters,
 )
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.grads import sum_over_pipeline
+from lightning_gpipe.pipe.dp.grads import sum_over_pipeline
 from lightning_gpipe.strategy._materialize import materialize
 from tests.helpers.launch import run_distributed
 from tests.helpers.transformer import PAD, D, V, batch, tiny

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_gpipe.pipe.partition import costs_by_time, solve
+from lightning_gpipe.pipe.split.balance import costs_by_time, solve
 from lightning_gpipe.strategy._balance import (
     Plan,
     backbone_input,
@@ -294,7 +294,7 @@ def test_the_loss_inside_cuts_for_the_schedules_simulated_step() -> None:
     stage's, and is a shorter simulated step."""
     from types import SimpleNamespace
 
-    from lightning_gpipe.pipe.chunks import SIMULATION_TOLERANCE, simulated_step, solve_chunks
+    from lightning_gpipe.pipe.split.virtual_stages import SIMULATION_TOLERANCE, simulated_step, solve_chunks
     from lightning_gpipe.strategy._rank_pipeline import StageOptions, _plan
     from lightning_gpipe.strategy.gpipe import GPipeStrategy
     from tests.helpers.tiny_fit import lightning_module
@@ -344,7 +344,7 @@ def test_interleaving_splits_for_the_simulated_step_and_says_so(monkeypatch: pyt
     by the per-chunk optimum; one chunk per rank with the loss inside, for the simulated 1F1B step."""
     from types import SimpleNamespace
 
-    from lightning_gpipe.pipe.chunks import solve_chunks
+    from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
     from lightning_gpipe.strategy import _balance
     from lightning_gpipe.strategy._rank_pipeline import StageOptions, _plan
     from tests.engine.test_interleaved_balance import TRANSFORMER

@@ -66,7 +66,7 @@ def validate(module: Evaluated, devices: int, strategy: Any, late: Late | None =
 
 
 def worker(rank: int, world_size: int, use: str) -> dict:
-    import lightning_gpipe.pipe.phases as schedule
+    import lightning_gpipe.pipe.run.loss_outside as schedule
     from lightning_gpipe.strategy import GPipeStrategy
 
     shared: list[str] = []

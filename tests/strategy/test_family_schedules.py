@@ -32,7 +32,7 @@ def _runs() -> list[tuple[str, str]]:
 
 
 def fit_all(rank: int, world_size: int, runs: list[tuple[str, str]]) -> dict[str, Any]:
-    from lightning_gpipe.pipe.weight_grad import WeightGrads
+    from lightning_gpipe.pipe.run.weight_grad import WeightGrads
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")

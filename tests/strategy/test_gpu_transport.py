@@ -3,7 +3,7 @@ finish under every schedule, and a stage's failure inside a kernel stops every r
 
 In ``python -m tests.gpu_matrix`` they run over NCCL, one GPU per process, where the out-of-range index of the
 second test is an asynchronous device-side assert. On the CPU the second runs over gloo with NCCL's point-to-point
-rules modelled (``GPIPE_NCCL_SEMANTICS=1``, see ``pipe.nccl_order``); the first only on GPUs, as sizes matter only
+rules modelled (``GPIPE_NCCL_SEMANTICS=1``, see ``pipe.comm.nccl_order``); the first only on GPUs, as sizes matter only
 there (under the model every send waits for its receive, and ``test_nccl_order_fit.py`` runs the same orders).
 """
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gpipe.pipe.nccl_order import ENV
+from lightning_gpipe.pipe.comm.nccl_order import ENV
 from tests.helpers.devices import on_cuda
 from tests.helpers.launch import quiet_trainer, run_distributed
 

@@ -1,4 +1,4 @@
-"""GPipeStrategy under NCCL's point-to-point rules (``GPIPE_NCCL_SEMANTICS=1``, see ``pipe.nccl_order``): fit with
+"""GPipeStrategy under NCCL's point-to-point rules (``GPIPE_NCCL_SEMANTICS=1``, see ``pipe.comm.nccl_order``): fit with
 the loss outside and inside the pipeline, then validate and predict, at pp × dp and K = 3 -- the same weights as the
 plain run, so no transfer order of a Lightning loop would hang on GPUs."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_gpipe.pipe.nccl_order import ENV
+from lightning_gpipe.pipe.comm.nccl_order import ENV
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.tiny_fit import BATCH, STEPS, TOL, Net, TinyHooked, TinyPipelined, dataset, reference
 

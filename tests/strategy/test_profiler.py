@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_gpipe.pipe.trace import profiler_range, range_name
+from lightning_gpipe.pipe.trace.events import profiler_range, range_name
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.tiny_fit import BATCH, dataset, lightning_module
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_gpipe.pipe.nccl_order import ENV
+from lightning_gpipe.pipe.comm.nccl_order import ENV
 from tests.engine.test_skips import guide_unet
 from tests.helpers.launch import quiet_trainer, run_distributed
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader
 
-from lightning_gpipe.pipe.gantt import plot_timeline
-from lightning_gpipe.pipe.trace import Event, read_chrome_trace, write_chrome_trace
-from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble, transfer_ns
+from lightning_gpipe.pipe.trace.events import Event, read_chrome_trace, write_chrome_trace
+from lightning_gpipe.pipe.trace.gantt import plot_timeline
+from lightning_gpipe.pipe.trace.stats import breakdown, theoretical_bubble, transfer_ns
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.tiny_fit import BATCH, dataset, lightning_module
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_gpipe.pipe.indexing import RemoteLayer
 from lightning_gpipe.pipe.microbatch import split_by_sizes
+from lightning_gpipe.pipe.split.indexing import RemoteLayer
 from lightning_gpipe.strategy._arguments import check_backbone_layers, find_backbone
 from lightning_gpipe.strategy._audit import check_split_dim
 from lightning_gpipe.strategy._balance import Plan

@@ -1,5 +1,5 @@
 """The user's random stream under GPipeStrategy is the one a run without a pipeline sees: the pipeline's step seeds
-come from its own stream (``pipe.rng.StepSeeds``), so ``torch.randn`` in the training and validation steps and in
+come from its own stream (``pipe.state.rng.StepSeeds``), so ``torch.randn`` in the training and validation steps and in
 every hook of a fit draws, at every step and on every stage, what it draws under ``Trainer(devices=1,
 strategy="ddp")`` (whose setup, like this strategy's, re-seeds from ``seed_everything``'s seed)."""
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from lightning_gpipe.pipe import nccl_order
-from lightning_gpipe.pipe.transport import SkipGroups, skip_tags
+from lightning_gpipe.pipe.comm import nccl_order
+from lightning_gpipe.pipe.comm.transport import SkipGroups, skip_tags
 
 
 def process_groups(

@@ -36,17 +36,17 @@ from typing import Any
 
 import torch
 
-from lightning_gpipe.pipe.batchnorm import (
+from lightning_gpipe.pipe.microbatch import join, join_input_grads, plan_sizes, split_by_sizes, split_leaves, tensors
+from lightning_gpipe.pipe.run.executor import Checkpoint, Executor, marked_pairs
+from lightning_gpipe.pipe.run.outputs import join_outputs, output_grads, share_output
+from lightning_gpipe.pipe.run.records import OutputMode, Step
+from lightning_gpipe.pipe.split.boundary import check_boundary
+from lightning_gpipe.pipe.state.batchnorm import (
     check_replicas_run_the_same_m,
     commit_deferred_batch_norm,
     deferred_statistics,
 )
-from lightning_gpipe.pipe.boundary import check_boundary
-from lightning_gpipe.pipe.executor import Checkpoint, Executor, marked_pairs
-from lightning_gpipe.pipe.microbatch import join, join_input_grads, plan_sizes, split_by_sizes, split_leaves, tensors
-from lightning_gpipe.pipe.outputs import join_outputs, output_grads, share_output
-from lightning_gpipe.pipe.records import OutputMode, Step
-from lightning_gpipe.pipe.rng import mix, restored_streams
+from lightning_gpipe.pipe.state.rng import mix, restored_streams
 
 
 def is_checkpointed(mode: Checkpoint, m: int, M: int) -> bool:

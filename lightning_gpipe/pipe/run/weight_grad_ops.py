@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_gpipe.pipe import rematerialize
 from lightning_gpipe.pipe._torch_internals import saved_tensors_pack_hook
+from lightning_gpipe.pipe.state import rematerialize
 
 # One deferred weight gradient: computes (parameter, its gradient) pairs when W runs.
 Closure = Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]

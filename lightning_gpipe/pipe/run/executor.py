@@ -1,7 +1,7 @@
 """The executor: one stage's (one chunk's) forward, recompute and backward of a micro-batch, and its halves.
 
-``pipe/phases.py`` runs it in GPipe's fill/drain phases (the loss outside the pipeline, drawn there), and
-``pipe/forward_backward.py`` by a schedule's actions (the loss inside). A micro-batch whose graph is dropped keeps
+``pipe/run/loss_outside.py`` runs it in GPipe's fill/drain phases (the loss outside the pipeline, drawn there), and
+``pipe/run/loss_inside.py`` by a schedule's actions (the loss inside). A micro-batch whose graph is dropped keeps
 only its input (the stage boundary): on an accelerator its forward runs in the recompute's grad mode with nothing
 saved, so that both choose the same kernels, on the CPU without autograd (``rematerialize.first_forward``); its
 backward first re-runs it from that input. Re-materialization modes: ``always`` drops every graph; ``except_last``
@@ -18,23 +18,23 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 from torch import nn
 
-from lightning_gpipe.pipe.batchnorm import (
-    deferred_statistics,
-)
-from lightning_gpipe.pipe.boundary import check_boundary
-from lightning_gpipe.pipe.buffers import StatefulBuffers
-from lightning_gpipe.pipe.failures import FailureHandler
-from lightning_gpipe.pipe.links import Links, check_header
+from lightning_gpipe.pipe.comm.links import Links, check_header
 from lightning_gpipe.pipe.microbatch import (
     differentiable,
     tensors,
 )
-from lightning_gpipe.pipe.records import MicroBatch, Step
-from lightning_gpipe.pipe.rematerialize import ForwardState, first_forward, recomputing
-from lightning_gpipe.pipe.rng import StepSeeds, mix
+from lightning_gpipe.pipe.run.failures import FailureHandler
+from lightning_gpipe.pipe.run.records import MicroBatch, Step
+from lightning_gpipe.pipe.run.weight_grad import WeightGrads
 from lightning_gpipe.pipe.skips import StageSkips
-from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.weight_grad import WeightGrads
+from lightning_gpipe.pipe.split.boundary import check_boundary
+from lightning_gpipe.pipe.state.batchnorm import (
+    deferred_statistics,
+)
+from lightning_gpipe.pipe.state.buffers import StatefulBuffers
+from lightning_gpipe.pipe.state.rematerialize import ForwardState, first_forward, recomputing
+from lightning_gpipe.pipe.state.rng import StepSeeds, mix
+from lightning_gpipe.pipe.trace.events import Timeline
 
 Checkpoint = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES: tuple[Checkpoint, ...] = get_args(Checkpoint)
@@ -65,7 +65,7 @@ def marked_pairs(y: Any, marks: list[bool], grads: list[torch.Tensor]) -> Pairs:
 
 
 class Executor:
-    """Runs stage ``index``'s micro-batches: its part of each phase (``pipe/phases.py``, the loss between the
+    """Runs stage ``index``'s micro-batches: its part of each phase (``pipe/run/loss_outside.py``, the loss between the
     phases) and its actions for ``forward_backward`` (the loss inside the pipeline), given the parts of the stage it
     works with.
 

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 from lightning_gpipe.pipe._torch_internals import tree_map
-from lightning_gpipe.pipe.links import Links
+from lightning_gpipe.pipe.comm.links import Links
+from lightning_gpipe.pipe.comm.transport import OUTPUT_TAG
 from lightning_gpipe.pipe.microbatch import detached, join, split_by_sizes, tensors
-from lightning_gpipe.pipe.records import OutputMode, Placeholder, Step
-from lightning_gpipe.pipe.transport import OUTPUT_TAG
+from lightning_gpipe.pipe.run.records import OutputMode, Placeholder, Step
 
 
 def join_outputs(step: Step, batch_dim: int) -> Any:

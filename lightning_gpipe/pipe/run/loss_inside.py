@@ -1,13 +1,13 @@
 """A training step with the loss inside the pipeline: each rank runs its schedule's actions, the loss on the last stage.
 
-The schedules are data (``pipe.schedules``: each rank's ordered actions, drawn there); this executor runs the ones
-marked runnable, "gpipe" and "1f1b" (F m and B m on one chunk per rank), "zb-h1" (B m split into I m and W m:
-``pipe.weight_grad`` defers the weight gradients of the micro-batch's linear, convolution and embedding ops from I to
-W; where W m follows I m at once, as on rank 0, the two run as one B m: ``schedules.fuse_halves``) and
+The schedules are data (``pipe.schedule.registry``: each rank's ordered actions, drawn there); this runner runs every
+registered one: "gpipe" and "1f1b" (F m and B m on one chunk per rank), "zb-h1" (B m split into I m and W m:
+``pipe.run.weight_grad`` defers the weight gradients of the micro-batch's linear, convolution and embedding ops from
+I to W; where W m follows I m at once, as on rank 0, the two run as one B m: ``registry.fuse_halves``) and
 "interleaved-1f1b" (F m and B m on each of the rank's v chunks, one executor per chunk: chunk c of rank r is stage
 cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk c + 1, and its gradient comes back), after
-``pipe.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout under NCCL's
-ordering rules.
+``pipe.schedule.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout
+under NCCL's ordering rules.
 
 Each stage runs its actions in order. Sends never block the host; a forward waits for its input and a backward for
 its output gradient (posted before the recompute, which fills the wait, as in the fill/drain schedule).
@@ -27,16 +27,16 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lightning_gpipe.pipe.batchnorm import check_replicas_run_the_same_m, commit_deferred_batch_norm
-from lightning_gpipe.pipe.executor import Executor, Pairs
 from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_leaves
-from lightning_gpipe.pipe.records import Step
-from lightning_gpipe.pipe.rng import restored_streams
-from lightning_gpipe.pipe.schedules import Action, fuse_halves, keeps_graph, lookup
-from lightning_gpipe.pipe.simulator import simulate
-from lightning_gpipe.pipe.weight_grad import WeightGrads
+from lightning_gpipe.pipe.run.executor import Executor, Pairs
+from lightning_gpipe.pipe.run.records import Step
+from lightning_gpipe.pipe.run.weight_grad import WeightGrads
+from lightning_gpipe.pipe.schedule.registry import Action, fuse_halves, keeps_graph, lookup
+from lightning_gpipe.pipe.schedule.simulator import simulate
+from lightning_gpipe.pipe.state.batchnorm import check_replicas_run_the_same_m, commit_deferred_batch_norm
+from lightning_gpipe.pipe.state.rng import restored_streams
 
-# The schedules this executor runs: the registry's runnable ones (pipe.schedules.SCHEDULES holds them all).
+# The schedules this executor runs: the registry's runnable ones (pipe.schedule.registry.SCHEDULES holds them all).
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 # The last stage's loss of one micro-batch: (its output, m) -> a scalar tensor to back-propagate.

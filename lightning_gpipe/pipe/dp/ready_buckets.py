@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.grads import (
+from lightning_gpipe.pipe.dp.grads import (
     SMALL_BUCKET_BYTES,
     BucketedAllReduce,
     PendingReduction,
@@ -17,7 +17,7 @@ from lightning_gpipe.pipe.grads import (
     used_somewhere,
     voting_group,
 )
-from lightning_gpipe.pipe.hierarchy import Hierarchy
+from lightning_gpipe.pipe.dp.hierarchy import Hierarchy
 
 
 class ReadyBuckets:

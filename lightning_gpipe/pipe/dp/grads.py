@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.hierarchy import Hierarchy
+from lightning_gpipe.pipe.dp.hierarchy import Hierarchy
 
 __all__ = [
     "BucketedAllReduce",

@@ -6,12 +6,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, NoReturn
 
+from lightning_gpipe.pipe.comm.links import Links
+from lightning_gpipe.pipe.comm.transport import OUTPUT_TAG, skip_tags
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
-from lightning_gpipe.pipe.links import Links
-from lightning_gpipe.pipe.records import OutputMode
+from lightning_gpipe.pipe.run.records import OutputMode
 from lightning_gpipe.pipe.skips import StageSkips, skip_pairs
-from lightning_gpipe.pipe.trace import Timeline
-from lightning_gpipe.pipe.transport import OUTPUT_TAG, skip_tags
+from lightning_gpipe.pipe.trace.events import Timeline
 
 
 class FailureHandler:

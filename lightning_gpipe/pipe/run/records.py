@@ -7,8 +7,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lightning_gpipe.pipe.rematerialize import ForwardState
-from lightning_gpipe.pipe.transport import TensorMeta
+from lightning_gpipe.pipe.comm.transport import TensorMeta
+from lightning_gpipe.pipe.state.rematerialize import ForwardState
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gpipe.pipe._torch_internals import accumulate_grads
-from lightning_gpipe.pipe.split_ops import (
+from lightning_gpipe.pipe.run.weight_grad_ops import (
     Deferred,
     Deferring,
     autocast_dtype,

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.partition import Balance, agree_on_balance, local_name, shared_parameters, solve
-from lightning_gpipe.pipe.schedules import Action, fuse_halves, lookup
-from lightning_gpipe.pipe.simulator import Costs, simulate
+from lightning_gpipe.pipe.schedule.registry import Action, fuse_halves, lookup
+from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
+from lightning_gpipe.pipe.split.balance import Balance, agree_on_balance, local_name, shared_parameters, solve
 
 if TYPE_CHECKING:
-    from lightning_gpipe.pipe.executor import Checkpoint
+    from lightning_gpipe.pipe.run.executor import Checkpoint
 
 # How many actions solve_chunks may simulate in all (a few seconds): every split when they fit, else a search.
 SIMULATED_ACTIONS = 200_000

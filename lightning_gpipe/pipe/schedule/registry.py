@@ -1,11 +1,12 @@
 """Pipeline schedules as data: per rank, the ordered forward and backward actions of each micro-batch on each chunk.
 
-A schedule is, per rank, a list of actions; the sends and receives follow from it (``pipe.simulator`` derives them,
-checks the lists and times them). F m = forward of micro-batch m; B m = its backward (on the last stage it begins
-with the loss of micro-batch m, so it can start as soon as its forward ends); I m and W m = B m's halves, the input
-gradient (which the previous stage waits for) and the weight gradient (which nobody waits for). With v chunks per
-rank, a letter names the chunk: rank r holds stages r (a), r + K (b), … Drawn by ``simulator.draw``: every action one
-unit long, sends that never stall ('.' = idle); "peak live": most micro-batches (per chunk) between F and B or W.
+A schedule is, per rank, a list of actions; the sends and receives follow from it (``pipe.schedule.simulator``
+derives them, checks the lists and times them). F m = forward of micro-batch m; B m = its backward (on the last
+stage it begins with the loss of micro-batch m, so it can start as soon as its forward ends); I m and W m = B m's
+halves, the input gradient (which the previous stage waits for) and the weight gradient (which nobody waits for).
+With v chunks per rank, a letter names the chunk: rank r holds stages r (a), r + K (b), … Drawn by
+``simulator.draw``: every action one unit long, sends that never stall ('.' = idle); "peak live": most micro-batches
+(per chunk) between F and B or W.
 
 K = 3 ranks, M = 4 micro-batches:
 
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 if TYPE_CHECKING:  # the registry and the simulator need no torch
-    from lightning_gpipe.pipe.executor import Checkpoint
+    from lightning_gpipe.pipe.run.executor import Checkpoint
 
 Kind = Literal["F", "B", "I", "W"]
 

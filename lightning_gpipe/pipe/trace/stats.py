@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_gpipe.pipe.trace import COMPUTE, KINDS, Event
+from lightning_gpipe.pipe.trace.events import COMPUTE, KINDS, Event
 
 # Every kind a stage records except "step", which spans whole phases and so overlaps the others.
 PARTS = tuple(kind for kind in KINDS if kind != "step")
@@ -89,7 +89,7 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
     stages = sorted({e.stage for e in events})
     start, end = min(e.start_ns for e in events), max(e.end_ns for e in events)
     phases = [e for e in events if e.kind == "step"]
-    # A step with the loss inside the pipeline is one "train" phase (see pipe.forward_backward).
+    # A step with the loss inside the pipeline is one "train" phase (see pipe.run.loss_inside).
     fwd = [e.start_ns for e in phases if e.label in ("forward", "train")] or [start]
     bwd = [e.end_ns for e in phases if e.label in ("backward", "train")] or [end]
     p_start, p_end = min(fwd), max(bwd)

@@ -14,8 +14,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_gpipe.pipe._torch_internals import BatchNormBase, forward_hooks_always_called, version
-from lightning_gpipe.pipe.rematerialize import is_recomputing
-from lightning_gpipe.pipe.sync_batchnorm import Moments, check_same_m, merge_moments, sync_batch_norm
+from lightning_gpipe.pipe.state.rematerialize import is_recomputing
+from lightning_gpipe.pipe.state.sync_batchnorm import Moments, check_same_m, merge_moments, sync_batch_norm
 
 __all__ = [
     "DeferredBatchNorm",

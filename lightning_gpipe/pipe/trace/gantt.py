@@ -6,8 +6,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_gpipe.pipe.trace import COMMUNICATION, Event, chunk_letter
-from lightning_gpipe.pipe.trace_stats import breakdown, theoretical_bubble
+from lightning_gpipe.pipe.trace.events import COMMUNICATION, Event, chunk_letter
+from lightning_gpipe.pipe.trace.stats import breakdown, theoretical_bubble
 
 # Compute on the upper band of a stage's row; waits, sends and reductions on a thin band below it.
 COLORS = {

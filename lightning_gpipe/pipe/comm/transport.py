@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.pipe import nccl_order
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
+from lightning_gpipe.pipe.comm import nccl_order
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.microbatch import differentiable
 

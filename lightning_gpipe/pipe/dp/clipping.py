@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.grads import collective_device, group_size, trainable
+from lightning_gpipe.pipe.dp.grads import collective_device, group_size, trainable
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 

@@ -35,10 +35,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from lightning_gpipe.pipe.schedules import Action, keeps_graph
+from lightning_gpipe.pipe.schedule.registry import Action, keeps_graph
 
 if TYPE_CHECKING:
-    from lightning_gpipe.pipe.executor import Checkpoint
+    from lightning_gpipe.pipe.run.executor import Checkpoint
 
 Layout = Literal["rank-order", "flow", "single", "link"]
 Message = tuple[str, int, int]  # ("activation" | "gradient", micro-batch, the stage that sends it)
@@ -343,7 +343,7 @@ def simulate(
 
 def draw(actions: Sequence[Sequence[Action]], K: int, v: int = 1, nccl: bool = False) -> list[str]:
     """The schedule's timeline with every action one unit long, one row per rank ('.' = idle), as drawn in
-    ``pipe.schedules``: with buffered sends unless ``nccl``."""
+    ``pipe.schedule.registry``: with buffered sends unless ``nccl``."""
     unit = Costs(F=1, B=1, I=1, W=1)
     timeline = simulate(actions, K, v, unit, nccl=nccl).timeline
     width = max(len(a.label(v)) for row in timeline for a, _, _ in row)

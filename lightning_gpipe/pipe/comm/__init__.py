@@ -1,0 +1,1 @@
+"""Communication between stages: transport, links, process groups, NCCL's ordering, status and the batch feed."""

@@ -1,0 +1,1 @@
+"""How a backbone is cut: stages and virtual stages, layer indexing, and what a stage may hold or pass on."""

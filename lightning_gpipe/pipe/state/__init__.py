@@ -1,0 +1,1 @@
+"""Per-layer state under micro-batching: BatchNorm, random streams, buffers and re-materialization."""
