@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.hf import causal_lm_backbone, causal_lm_loss, load_pretrained, named_hf_tensors, save_pretrained
-from tests.hf.lm import VOCAB, batches, config
+from tests.helpers.hf_lm import VOCAB, batches, config
 
 transformers = pytest.importorskip(
     "transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'"

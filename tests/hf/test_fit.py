@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from tests.helpers.hf_lm import PipelinedLM, PlainLM, batches, save_model
 from tests.helpers.launch import quiet_trainer, run_distributed
-from tests.hf.lm import PipelinedLM, PlainLM, batches, save_model
 
 pytest.importorskip("transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'")
 

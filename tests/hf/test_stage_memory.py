@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from tests.helpers.hf_lm import PipelinedLM, batches
 from tests.helpers.launch import quiet_trainer, run_distributed
-from tests.hf.lm import PipelinedLM, batches
 
 transformers = pytest.importorskip(
     "transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'"
