@@ -3,14 +3,14 @@
 # What it runs: throughput.py's small AmoebaNet-D and Transformer (_lib/workloads.py; the Transformer's vocabulary
 # projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread
 # each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance cut as GPipeStrategy cuts
-# it for "gpipe" with the loss inside, for the shortest simulated step: chunks.solve_chunks), a training step = forward
-# + loss + backward + RMSProp update, with the stage's timeline on, along five loss paths, alternating step by step
-# in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
+# it for "gpipe" with the loss inside, for the shortest simulated step: chunks.solve_virtual_stages), a training step =
+# forward + loss + backward + RMSProp update, with the stage's timeline on, along five loss paths, alternating step by
+# step in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
 # "gpipe", "1f1b", "zb-h1" and "interleaved-1f1b" (stage.forward_backward: the loss per micro-batch on the last
 # stage, inside the pipeline; zb-h1's backward halves, I and W, count as backward; interleaved-1f1b on a stage of
-# its own with v = 2 chunks per rank, the backbone cut in 2K chunks as GPipeStage cuts it: chunks.solve_chunks).
-# Each step is traced on every stage (clocks lined up after a barrier), then broken down by
-# lightning_gpipe.pipe.trace.stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
+# its own with v = 2 virtual stages per rank, the backbone cut in 2K chunks as GPipeStage cuts it:
+# chunks.solve_virtual_stages). Each step is traced on every stage (clocks lined up after a barrier), then broken down
+# by lightning_gpipe.pipe.trace.stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
 # load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
 # the step, and the efficiency (the ideal GPipe step over the measured one); medians over the clean traced steps. One
 # Gantt chart per configuration. Writes <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>_<path>.png. Run
@@ -45,14 +45,14 @@ from benchmarks._lib.workloads import (
     resized,
 )
 from lightning_gpipe.pipe import GPipeStage, breakdown, gather_events
-from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from lightning_gpipe.pipe.trace.events import Event
 from lightning_gpipe.pipe.trace.gantt import plot_timeline
 
 # The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the
 # schedules of GPipeStage.forward_backward (the loss per micro-batch on the last stage, inside the pipeline).
 PATHS = ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
-V = 2  # chunks per rank of the "interleaved-1f1b" path (its own stage: the backbone in vK parts)
+V = 2  # virtual stages per rank of the "interleaved-1f1b" path (its own stage: the backbone in vK parts)
 # Disjoint shares of the whole step (first event to last on any stage, averaged over stages), in stacking order:
 # compute, the loss, then the rest of the bubble split into waiting for a peer's compute and the transfer itself,
 # then what lies outside the pipeline's span (the update, and the rest: the loop).
@@ -300,7 +300,7 @@ def main() -> None:
                     "sizes": sizes[n],
                     "balance": info["balance"][K],
                     # As GPipeStage(virtual_stages=V) splits measured costs: for the simulated interleaved step.
-                    "balance_interleaved": solve_chunks(
+                    "balance_interleaved": solve_virtual_stages(
                         info["layer_costs_ms"], K, V, args.micro_batches, args.checkpoint
                     ),
                 }

@@ -36,8 +36,8 @@ from lightning_gpipe.pipe import GPipeStage
 
 FULL = {k: getattr(wl, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH", "SEQ")}
 SMOKE = wl.SMOKE_ENCODER
-V = 2  # chunks per rank of the interleaved schedules
-OURS = {  # system: (schedule, checkpoint, chunks per rank)
+V = 2  # virtual stages per rank of the interleaved schedules
+OURS = {  # system: (schedule, checkpoint, virtual stages per rank)
     "ours 1f1b": ("1f1b", "always", 1),
     "ours zb-h1": ("zb-h1", "always", 1),
     "ours interleaved-1f1b": ("interleaved-1f1b", "always", V),
@@ -45,7 +45,7 @@ OURS = {  # system: (schedule, checkpoint, chunks per rank)
     "ours zb-h1 (except_last)": ("zb-h1", "except_last", 1),
     "ours interleaved-1f1b (except_last)": ("interleaved-1f1b", "except_last", V),
 }
-TORCH = {  # system: (torch's schedule class, chunks per rank)
+TORCH = {  # system: (torch's schedule class, virtual stages per rank)
     "torch 1F1B": ("Schedule1F1B", 1),
     "torch ZB1P": ("ScheduleInterleavedZeroBubble", 1),
     "torch Interleaved1F1B": ("ScheduleInterleaved1F1B", V),

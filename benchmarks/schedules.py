@@ -5,7 +5,7 @@
 #    recomputed), backward, zb-h1's split halves, RMSprop update and output bytes, on one micro-batch; the loss; the
 #    one-process engine factor, from the whole model's one-stage pipeline (_lib/costmodel.py says how each enters).
 # 2. Validation: for K in --ks, K processes (gloo on 127.0.0.1, 1 thread each, the balance solved on the costs as
-#    GPipeStage solves them, interleaved chunks by chunks.solve_chunks; the
+#    GPipeStage solves them, interleaved chunks by chunks.solve_virtual_stages; the
 #    K=2 launch first fits gloo's latency and bandwidth by ping-pongs, and a message's host time on each end through
 #    the transport): a training step (stage.forward_backward with
 #    the loss per micro-batch on the last stage, then RMSprop) for every schedule the executor runs
@@ -68,11 +68,12 @@ from benchmarks._lib.workloads import (
 )
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.microbatch import plan_sizes
-from lightning_gpipe.pipe.run.executor import Checkpoint
 from lightning_gpipe.pipe.schedule.registry import SCHEDULES
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
-RUNNABLE = [name for name, spec in SCHEDULES.items() if spec.runnable]
-RUN_ON = {1: "gpipe", 2: "interleaved-1f1b"}  # per chunks per rank: the schedule whose balance the measured stage uses
+RUNNABLE = list(SCHEDULES)
+# Per v (virtual stages per rank): the schedule whose balance the measured stage uses.
+RUN_ON = {1: "gpipe", 2: "interleaved-1f1b"}
 PING_BYTES = [64, 16 << 10, 256 << 10, 1 << 20, 4 << 20]
 
 

@@ -56,13 +56,12 @@ from torch import nn
 from benchmarks._lib.gloo_link import Link
 from lightning_gpipe.pipe import solve
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
-from lightning_gpipe.pipe.run.executor import Checkpoint
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
 from lightning_gpipe.pipe.schedule.registry import fuse_halves, keeps_graph, lookup
 from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
-from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm, deferred_statistics
-from lightning_gpipe.pipe.state.rematerialize import recomputing
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint, recomputing
 
 
 @dataclass
@@ -284,14 +283,14 @@ def predict(
     nccl: bool = False,
     engines: dict[tuple[int, int], float] | None = None,
 ) -> Prediction:
-    """The step of ``schedule`` on K ranks (v chunks each), M micro-batches of ``lc.n`` samples, timed by simulate.
+    """The simulated step of ``schedule`` on K ranks (v virtual stages each), M micro-batches of ``lc.n`` samples.
 
     ``engines``: per stage, by its layers (start, stop), the engine factor measured in the K-process launch (co-run
     included); the stages it lacks get the one-process ``lc.engine`` × ``lc.corun``."""
     S = v * K
     # Cut as GPipeStage cuts measured costs: one chunk per rank by the costliest stage, interleaved chunks for the
-    # shortest simulated step of each rank's chunks together (chunks.solve_chunks).
-    cut = solve(lc.cut_costs(), S) if v == 1 else solve_chunks(lc.cut_costs(), K, v, M, checkpoint)
+    # shortest simulated step of each rank's virtual stages together (chunks.solve_virtual_stages).
+    cut = solve(lc.cut_costs(), S) if v == 1 else solve_virtual_stages(lc.cut_costs(), K, v, M, checkpoint)
     counts = list(balance) if balance is not None else cut
     if len(counts) != S or sum(counts) != len(lc.forward):
         raise ValueError(f"balance {counts} must split {len(lc.forward)} layers into {S} stages")

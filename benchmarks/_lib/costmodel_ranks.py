@@ -18,9 +18,9 @@ from benchmarks._lib.gloo_link import Link
 from benchmarks._lib.machine import MIN_CLEAN, Runner, Timing, pause_until_quiet, timed
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import tree_flatten
-from lightning_gpipe.pipe.run.executor import Checkpoint
 from lightning_gpipe.pipe.schedule.registry import fuse_halves, keeps_graph, lookup
 from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
 LossFn = Callable[[Any, int], torch.Tensor]
 

@@ -12,10 +12,10 @@ from benchmarks._lib.costmodel_ranks import PARTS, engines_of, replayed
 from benchmarks._lib.gloo_link import Link
 from benchmarks._lib.machine import paired_interval, paired_ratio
 from benchmarks._lib.workloads import PAPER_TABLE2
-from lightning_gpipe.pipe.run.executor import Checkpoint
 from lightning_gpipe.pipe.schedule.registry import SCHEDULES
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
-V = {"interleaved-1f1b": 2}  # chunks per rank where a schedule needs several
+V = {"interleaved-1f1b": 2}  # virtual stages per rank where a schedule needs several
 TOLERANCE = 0.10
 
 VALIDATION: list[report.Column] = [

@@ -26,7 +26,7 @@ from lightning_gpipe.pipe.schedule.simulator import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1", "interleaved-1f1b": "interleaved 1F1B"}
-V = 2  # chunks per rank under "interleaved-1f1b" (its own stage: the same costs solved for 2K parts)
+V = 2  # virtual stages per rank under "interleaved-1f1b" (its own stage: the same costs solved for 2K parts)
 MB = 2**20
 METHOD = """\
 **Method.** One process per stage, one thread each, gloo on 127.0.0.1; `GPipeStage(checkpoint="never")` (every
@@ -40,8 +40,8 @@ min(M, K − k) micro-batches under 1F1B and M under GPipe (1 on GPipe's last st
 stage 0's ratio 1F1B / GPipe should be about K/M; the target is ≤ 1.25 · K/M. ZB-H1 holds min(M, K) on every stage
 (rank k defers its weight gradients by k backwards; between I and W a micro-batch keeps only what W needs: the inputs
 and output gradients of its linear, convolution and embedding ops). Interleaved 1F1B runs on a stage of its own,
-v = 2 chunks per rank (the same layer costs solved for 2K parts: rank k holds chunks k and k + K); its in-flight count
-is the simulator's peak of chunk micro-batches over v (in stages' worth). Step time: then the schedules alternate
+v = 2 virtual stages per rank (the same layer costs solved for 2K parts: rank k holds chunks k and k + K); its in-flight
+count is the simulator's peak of chunk micro-batches over v (in stages' worth). Step time: then the schedules alternate
 step by step in the same processes, without the meter (medians of clean steps, `machine.measure`)."""
 
 

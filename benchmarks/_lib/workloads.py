@@ -13,7 +13,7 @@ from torch import nn
 from lightning_gpipe.models import amoebanet_d, transformer_nmt
 from lightning_gpipe.pipe import GPipeStage, solve
 from lightning_gpipe.pipe.split.balance import costs_by_time, resolve_balance
-from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm, deferred_statistics
 
 SEED, PAD, BOS = 0, 0, 1
@@ -105,7 +105,7 @@ def micro_batch_step(name: str, s: dict[str, Any], M: int) -> Callable[[], None]
 def balances(name: str, s: dict[str, Any], ks: list[int], how: str, loss_inside: int | None = None) -> dict[str, Any]:
     """Layer counts per K: 'time' profiles every layer once (on batch/8 samples) and solves each K exactly; with
     ``loss_inside`` = M, for the shortest simulated GPipe step of M micro-batches with the loss inside the pipeline
-    (as GPipeStrategy cuts then: ``chunks.solve_chunks``), else for the cheapest costliest stage (``solve``)."""
+    (as GPipeStrategy cuts then: ``chunks.solve_virtual_stages``), else for the cheapest costliest stage (``solve``)."""
     model = build(name, s)
     info: dict[str, Any] = {
         "model": describe(name, s),
@@ -121,7 +121,7 @@ def balances(name: str, s: dict[str, Any], ks: list[int], how: str, loss_inside:
         if loss_inside is None:
             info["balance"] = {k: solve(costs, k) for k in ks}
         else:
-            info["balance"] = {k: solve_chunks(costs, k, 1, loss_inside, "except_last", "gpipe") for k in ks}
+            info["balance"] = {k: solve_virtual_stages(costs, k, 1, loss_inside, "except_last", "gpipe") for k in ks}
         info["cut"] = "cheapest costliest stage" if loss_inside is None else "shortest simulated gpipe step"
     else:
         info["balance"] = {k: resolve_balance(model, k, "parameters") for k in ks}

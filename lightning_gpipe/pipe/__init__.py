@@ -2,8 +2,7 @@
 
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch_weights, split
-from lightning_gpipe.pipe.run.executor import Checkpoint
-from lightning_gpipe.pipe.run.loss_inside import ScheduleName
+from lightning_gpipe.pipe.schedule.registry import ScheduleName
 from lightning_gpipe.pipe.skips import Pop, Stash, pop, skippable, stash
 from lightning_gpipe.pipe.split.balance import Balance, resolve_balance, solve
 from lightning_gpipe.pipe.stage import GPipeStage
@@ -12,7 +11,7 @@ from lightning_gpipe.pipe.state.batchnorm import (
     convert_deferred_batch_norm,
     revert_deferred_batch_norm,
 )
-from lightning_gpipe.pipe.state.rematerialize import is_recomputing
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint, is_recomputing
 from lightning_gpipe.pipe.trace.events import Timeline, gather_events, read_chrome_trace, write_chrome_trace
 from lightning_gpipe.pipe.trace.stats import breakdown, theoretical_bubble
 

@@ -1,8 +1,19 @@
-"""Errors a pipeline raises on every rank when one stage fails, naming the stage and the original error."""
+"""Errors a pipeline raises on every rank when one stage fails, naming the stage and the error; argument choices."""
 
 from __future__ import annotations
 
 import traceback
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def one_of(value: object, choices: tuple[T, ...], argument: str) -> T:
+    """``value`` as the one of ``choices`` it equals, or a ValueError naming the ``argument`` that gave it."""
+    for choice in choices:
+        if value == choice:
+            return choice
+    raise ValueError(f"{argument}={value!r} is not one of {list(choices)}")
 
 
 class PipelineError(RuntimeError):

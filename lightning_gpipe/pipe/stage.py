@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import partial
@@ -17,31 +16,28 @@ from lightning_gpipe.pipe.comm.groups import process_groups, skip_groups
 from lightning_gpipe.pipe.comm.links import Links
 from lightning_gpipe.pipe.comm.status import StatusCheck
 from lightning_gpipe.pipe.comm.transport import DEFAULT_TIMEOUT_S, Transport
+from lightning_gpipe.pipe.errors import one_of
 from lightning_gpipe.pipe.microbatch import plan_sizes
-from lightning_gpipe.pipe.run.executor import Checkpoint, Executor, validate_checkpoint
+from lightning_gpipe.pipe.run.executor import Executor
 from lightning_gpipe.pipe.run.failures import FailureHandler, skip_notices
-from lightning_gpipe.pipe.run.loss_inside import (
-    LossFn,
-    ScheduleName,
-    check_schedule,
-    forward_backward,
-    validate_schedule,
-)
+from lightning_gpipe.pipe.run.loss_inside import LossFn, check_schedule, forward_backward
 from lightning_gpipe.pipe.run.loss_outside import backward_phase, evaluate, forward_phase
-from lightning_gpipe.pipe.run.records import OutputMode, Step, validate_output_mode
+from lightning_gpipe.pipe.run.records import OUTPUT_MODES, OutputMode, Step
+from lightning_gpipe.pipe.schedule.registry import ScheduleName, lookup
 from lightning_gpipe.pipe.skips import current_tray, plan_skips, skip_pairs
 from lightning_gpipe.pipe.split.balance import Balance, stage_layers
 from lightning_gpipe.pipe.split.indexing import LayerIndex, RemoteLayer
 from lightning_gpipe.pipe.split.rules import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 from lightning_gpipe.pipe.split.virtual_stages import (
     ChunkLayers,
-    agree_on_chunks,
+    agree_on_virtual_stages,
     check_virtual_stages,
     held_stages,
     shared_over_ranks,
 )
 from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.pipe.state.buffers import StatefulBuffers
+from lightning_gpipe.pipe.state.rematerialize import CHECKPOINT_MODES, Checkpoint
 from lightning_gpipe.pipe.state.rng import mix, name_key, reseed
 from lightning_gpipe.pipe.trace.events import Timeline
 
@@ -80,10 +76,10 @@ class GPipeStage(nn.Module):
         device: where received tensors go (default: the current CUDA device with NCCL, else the CPU).
         timeout: seconds to wait for a peer before raising :class:`PipelineTimeout`.
         timeline: record per-micro-batch events in ``self.timeline``.
-        virtual_stages: v, the chunks of layers each rank holds: the backbone is split into vK stages (``balance``
-            gives vK counts, or is solved for vK parts) and rank r holds the non-adjacent stages r, r + K, …, for
-            ``forward_backward(schedule="interleaved-1f1b")``, whose bubble is 1F1B's divided by v. The phases of
-            ``stage(x)`` and ``backward()`` run the chunks one after the other. Default 1: one stage per rank.
+        virtual_stages: v, the virtual stages of layers each rank holds: the backbone is split into vK stages
+            (``balance`` gives vK counts, or is solved for vK parts) and rank r holds the non-adjacent stages r, r + K,
+            …, for ``forward_backward(schedule="interleaved-1f1b")``, whose bubble is 1F1B's divided by v. The phases of
+            ``stage(x)`` and ``backward()`` run the virtual stages one after the other. Default 1: one stage per rank.
     """
 
     def __init__(
@@ -117,7 +113,7 @@ class GPipeStage(nn.Module):
             )
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks (M, the number of micro-batches) must be an int ≥ 1, got {chunks!r}")
-        output = validate_output_mode(output, "output")
+        output = one_of(output, OUTPUT_MODES, "output")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim must be an int ≥ 0 (0: batch-first, 1: time-major), got {batch_dim!r}")
         groups = process_groups(group, header_group, upstream_group)
@@ -126,14 +122,14 @@ class GPipeStage(nn.Module):
         self._chunks = chunks
         self._batch_dim = batch_dim
         self._output_mode = output
-        checkpoint = validate_checkpoint(checkpoint)
+        checkpoint = one_of(checkpoint, CHECKPOINT_MODES, "checkpoint")
         if device is None:
             backend = dist.get_backend(groups[0]) if groups else "gloo"
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._device = torch.device(device)
         K, r = self._num_stages, self._index
         v = self._virtual_stages = check_virtual_stages(virtual_stages, K)
-        self._balance = agree_on_chunks(
+        self._balance = agree_on_virtual_stages(
             module, K, v, balance, sample, groups[1] if groups else None, chunks, checkpoint
         )
         stages = held_stages(r, K, v)
@@ -195,8 +191,8 @@ class GPipeStage(nn.Module):
     @property
     def shared(self) -> list[tuple[str, tuple[int, ...], nn.Parameter | None]]:
         """Weights tied across stages, whose gradients must be summed over the stages that hold them: (name in the
-        whole model, the stages (ranks) holding it, this stage's copy or None); a weight tied across chunks of one
-        rank only is one parameter there, not listed. Looked up now, as materializing a model built on
+        whole model, the stages (ranks) holding it, this stage's copy or None); a weight tied across virtual stages of
+        one rank only is one parameter there, not listed. Looked up now, as materializing a model built on
         the meta device replaces its parameters."""
         return [
             (name, stages, None if local is None else self.get_parameter(local))
@@ -232,7 +228,7 @@ class GPipeStage(nn.Module):
 
     @output_mode.setter
     def output_mode(self, mode: OutputMode) -> None:
-        self._output_mode = validate_output_mode(mode, "output_mode")
+        self._output_mode = one_of(mode, OUTPUT_MODES, "output_mode")
 
     @property
     def chunks(self) -> int:
@@ -291,7 +287,7 @@ class GPipeStage(nn.Module):
 
     @property
     def virtual_stages(self) -> int:
-        """v, the chunks each rank holds: rank r holds stages r, r + K, …, r + (v−1)K of the vK."""
+        """v, the virtual stages each rank holds: rank r holds stages r, r + K, …, r + (v−1)K of the vK."""
         return self._virtual_stages
 
     def _refresh_chunks(self) -> None:
@@ -374,32 +370,24 @@ class GPipeStage(nn.Module):
         last), ``"1f1b"`` (at most K − k on stage k: less activation memory, the same bubble) or ``"zb-h1"`` (1F1B
         with each backward split: the weight gradients of linear, convolution and embedding ops wait, as
         ``pipe/run/weight_grad.py`` keeps them, to fill the drain); their times: ``benchmarks/README.md``.
-        ``"interleaved-1f1b"`` needs ``virtual_stages`` ≥ 2 (the others 1): 1F1B over the rank's v chunks, the bubble
-        divided by v, for more activations in flight; ``chunks`` must suit it (see ``pipe/schedule/registry.py``).
-        ``drained`` runs once this stage's gradients are complete, before waiting for the other stages;
-        ``before_last_backward`` right before the stage's last backward op (e.g. to reduce gradients as they end).
+        ``"interleaved-1f1b"`` needs ``virtual_stages`` ≥ 2 (the others 1): 1F1B over the rank's v virtual stages, the
+        bubble divided by v, for more activations in flight; ``chunks`` must suit it (see
+        ``pipe/schedule/registry.py``). ``drained`` runs once this stage's gradients are complete, before waiting for
+        the other stages; ``before_last_backward`` right before the stage's last backward op (e.g. to reduce
+        gradients as they end).
         """
         self._failures.check_usable()
         if self._steps is not None:
             raise RuntimeError(
                 "forward_backward() was called while a forward phase awaits its backward(): drain it first"
             )
-        name = validate_schedule(schedule)
+        name = lookup(schedule).name
         try:  # on every rank before any transfer: each raises the same error
             check_schedule(name, self._num_stages, self._chunks, self._virtual_stages)
         except ValueError as e:
             raise ValueError(f"GPipeStage(virtual_stages={self._virtual_stages}, chunks={self._chunks}): {e}") from e
         self._refresh_chunks()
         return forward_backward(self._executors, input, self._chunks, loss_fn, name, drained, before_last_backward)
-
-    def train_step(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        """:meth:`forward_backward`'s name before 0.1.0 (one letter from Lightning's ``training_step``)."""
-        warnings.warn(
-            "GPipeStage.train_step is renamed GPipeStage.forward_backward; the old name stops working in 0.2",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return self.forward_backward(*args, **kwargs)
 
     def micro_batch_sizes(self, input: Any) -> list[int]:
         """n_m of each micro-batch this stage's pipeline splits ``input`` into (the same on every stage)."""

@@ -2,30 +2,35 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
-from lightning.pytorch.utilities import rank_zero_deprecation
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import BatchNormBase
-from lightning_gpipe.pipe.run.executor import CHECKPOINT_MODES
-from lightning_gpipe.pipe.run.loss_inside import SCHEDULES, ScheduleName, check_schedule
-from lightning_gpipe.pipe.schedule.registry import lookup
+from lightning_gpipe.pipe.run.loss_inside import check_schedule
+from lightning_gpipe.pipe.schedule.registry import SCHEDULES, ScheduleName, lookup
 from lightning_gpipe.pipe.split.rules import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
-from lightning_gpipe.strategy._balance import BALANCE_NAMES
-from lightning_gpipe.strategy._batches import CHECK_BATCHES, DATA_LOADINGS
-from lightning_gpipe.strategy._mesh import DP_REDUCTIONS
+from lightning_gpipe.pipe.state.rematerialize import CHECKPOINT_MODES
+
+# The option types of GPipeStrategy's signature that the strategy owns (the engine's: Checkpoint, ScheduleName).
+StrategyBalance = list[int] | Literal["auto", "flops", "time", "parameters"] | Callable[[int, nn.Module], float]
+BALANCE_NAMES = ("auto", "flops", "time", "parameters")
+# When the stages compare their batches' fingerprints.
+CheckBatches = Literal["first", "always", "never"]
+CHECK_BATCHES: tuple[CheckBatches, ...] = get_args(CheckBatches)
+# Every stage loads its batches, or stage 0 loads them once for its pipeline.
+DataLoading = Literal["every_stage", "first_stage"]
+DATA_LOADINGS: tuple[DataLoading, ...] = get_args(DataLoading)
+# The data-parallel gradient mean: one all-reduce per bucket, or Jizhi's hierarchy, or chosen by the layout.
+DpReduction = Literal["auto", "flat", "hierarchical"]
+DP_REDUCTIONS: tuple[DpReduction, ...] = get_args(DpReduction)
 
 
-def check_arguments(init: Callable[..., None], given: dict[str, Any]) -> dict[str, Any]:
-    """Every argument of GPipeStrategy (``given``: ``__init__``'s locals), at construction. Returns the values to
-    keep where they differ from those given: the new names' where an old name was used, the trace steps as a tuple."""
-    renamed = take_renamed(init, given)
-    a = {**given, **renamed}
+def check_arguments(a: dict[str, Any]) -> tuple[int, ...]:
+    """Every argument of GPipeStrategy (``a``: ``__init__``'s locals), at construction; returns the trace steps."""
     check_strategy_args(
         a["chunks"],
         a["pipeline_parallel_size"],
@@ -42,7 +47,7 @@ def check_arguments(init: Callable[..., None], given: dict[str, Any]) -> dict[st
             f"{list(DP_REDUCTIONS)}"
         )
     check_data_loading(a["data_loading"])
-    return {**renamed, "trace_steps": check_trace_args(a["trace_dir"], a["trace_steps"])}
+    return check_trace_args(a["trace_dir"], a["trace_steps"])
 
 
 def check_strategy_args(
@@ -85,34 +90,9 @@ def check_strategy_args(
 
 
 # Renamed before 0.1.0 froze the names: old → new. The old ones warn until 0.2.
-RENAMED = {
-    "checkpoint": "activation_checkpointing",
-    "bucket_size_mb": "bucket_cap_mb",
-    "micro_batch_loss": "pipeline_loss",
-    "dp_reduction": "data_parallel_reduction",
-}
-
-
-def take_renamed(init: Callable[..., None], given: dict[str, Any]) -> dict[str, Any]:
-    """The new names' values where the caller used an old name (``given``: ``__init__``'s locals), each with a
-    deprecation warning; an old name beside its new one is an error."""
-    parameters = inspect.signature(init).parameters
-    taken = {}
-    for old, new in RENAMED.items():
-        if given[old] is None:
-            continue
-        if given[new] != parameters[new].default:
-            raise ValueError(f"GPipeStrategy({old}=..., {new}=...): {old} is the old name of {new}; give only {new}")
-        rank_zero_deprecation(
-            f"GPipeStrategy({old}=...) is renamed GPipeStrategy({new}=...); the old name stops working in 0.2"
-        )
-        taken[new] = given[old]
-    return taken
-
-
 def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) -> None:
     """Where the loss runs, and in which order the micro-batches go when it runs inside the pipeline, over how many
-    chunks per rank."""
+    virtual stages per rank."""
     if pipeline_loss not in (True, False, "auto"):
         raise ValueError(
             f"GPipeStrategy(pipeline_loss={pipeline_loss!r}): choose 'auto' (inside the pipeline when the module "
@@ -123,7 +103,7 @@ def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) 
     v = virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(
-            f"GPipeStrategy(virtual_stages={v!r}): the chunks of the backbone each rank holds, an int ≥ 1 (1: one "
+            f"GPipeStrategy(virtual_stages={v!r}): the stages of the backbone each rank holds, an int ≥ 1 (1: one "
             "stage per rank; ≥ 2 with schedule='interleaved-1f1b')"
         )
     spec = lookup(schedule)
@@ -131,7 +111,7 @@ def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) 
         fix = "schedule='interleaved-1f1b'" if v > 1 else "virtual_stages=2 or more (or another schedule)"
         raise ValueError(
             f"GPipeStrategy(schedule={schedule!r}, virtual_stages={v}): {schedule!r} runs "
-            + ("one chunk per rank" if spec.v_max == 1 else f"v ≥ {spec.v_min} chunks per rank")
+            + ("one chunk per rank" if spec.v_max == 1 else f"v ≥ {spec.v_min} virtual stages per rank")
             + f"; use {fix}"
         )
 
@@ -143,7 +123,7 @@ def check_interleaving(K: int, chunks: int, schedule: ScheduleName, virtual_stag
         return
     if K == 1:
         raise ValueError(
-            f"GPipeStrategy(virtual_stages={virtual_stages}) interleaves chunks over the ranks of a pipeline, but "
+            f"GPipeStrategy(virtual_stages={virtual_stages}) interleaves stages over the ranks of a pipeline, but "
             "pipeline_parallel_size is 1: use virtual_stages=1, or a pipeline of several devices"
         )
     try:
@@ -244,8 +224,8 @@ def _not_sequential(path: str, found: Any) -> str:
 def check_backbone_layers(
     module: nn.Module, path: str, backbone: nn.Sequential, K: int, virtual_stages: int = 1
 ) -> None:
-    """At setup, on every rank: K stages (of v chunks each) need vK layers, the backbone nothing but its layers, the
-    module no nn.SyncBatchNorm, and no model around the backbone may run its layers one at a time itself (timm's or
+    """At setup, on every rank: K stages (of v virtual stages each) need vK layers, the backbone nothing but its layers,
+    the module no nn.SyncBatchNorm, and no model around the backbone may run its layers one at a time itself (timm's or
     HuggingFace's own gradient checkpointing)."""
     check_plain_sequential(backbone, f"GPipeStrategy(backbone={path!r}): self.{path}")
     norms = sync_batch_norms(module)
@@ -278,9 +258,9 @@ def check_backbone_layers(
         return
     nested = [(i, m) for i, m in enumerate(backbone) if isinstance(m, nn.Sequential) and len(m) >= S]
     layers = f"{len(backbone)} layer{'s' if len(backbone) != 1 else ''}"
-    chunks = f" × virtual_stages={virtual_stages}" if virtual_stages > 1 else ""
+    times_v = f" × virtual_stages={virtual_stages}" if virtual_stages > 1 else ""
     message = (
-        f"GPipeStrategy: self.{path} has {layers}, fewer than the {S} stages (pipeline_parallel_size={K}{chunks}): "
+        f"GPipeStrategy: self.{path} has {layers}, fewer than the {S} stages (pipeline_parallel_size={K}{times_v}): "
         "every stage needs at least one layer"
     )
     if nested:

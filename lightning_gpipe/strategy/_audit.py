@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -12,9 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe.pipe.microbatch import batch_size, tensors
-
-# Under Lightning's logger, so the findings print where its own setup messages do (it sets INFO and a handler).
-logger = logging.getLogger("lightning.pytorch.strategies.gpipe")
+from lightning_gpipe.strategy._logger import logger
 
 
 def _join(*parts: str) -> str:

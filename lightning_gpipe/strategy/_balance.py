@@ -6,7 +6,7 @@ import pickle
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -22,9 +22,7 @@ from lightning_gpipe.pipe.split.balance import (
     costs_by_time,
     solve,
 )
-
-BALANCE_NAMES = ("auto", "flops", "time", "parameters")
-StrategyBalance = list[int] | Literal["auto", "flops", "time", "parameters"] | Callable[[int, nn.Module], float]
+from lightning_gpipe.strategy._arguments import BALANCE_NAMES, StrategyBalance
 
 MEASURES = {
     "flops": "forward FLOPs on one micro-batch of example_input_array",
@@ -162,8 +160,8 @@ def plan_balance(
     solver: tuple[Solver, str] | None = None,
 ) -> Plan:
     """The same :class:`Plan` on every rank (collective for "auto", "flops" and "time"); measured costs split by
-    ``solver``'s function, ``(costs, K) -> counts`` (``chunks.solve_chunks``: the shortest simulated step), and its
-    description goes into the note; else by ``solve`` (the cheapest costliest stage), the last stage's layers
+    ``solver``'s function, ``(costs, K) -> counts`` (``chunks.solve_virtual_stages``: the shortest simulated step), and
+    its description goes into the note; else by ``solve`` (the cheapest costliest stage), the last stage's layers
     weighed by ``last_stage_scale``, as the log weighs them."""
     if isinstance(balance, str) and balance in ("auto", "flops", "time"):
         kind = "flops" if balance == "auto" else balance

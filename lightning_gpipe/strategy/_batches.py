@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
 from lightning_gpipe.pipe.microbatch import tensors
-from lightning_gpipe.strategy._audit import logger
+from lightning_gpipe.strategy._arguments import CheckBatches
+from lightning_gpipe.strategy._logger import logger
 from lightning_gpipe.strategy._mesh import PipelineMesh
-
-CheckBatches = Literal["first", "always", "never"]
-CHECK_BATCHES: tuple[str, ...] = get_args(CheckBatches)
 
 
 class BatchCheck:
@@ -99,12 +97,6 @@ def check_same_batch(batch: Any, K: int, group: Any) -> None:
             "data_parallel_size (GPipeStrategy.distributed_sampler_kwargs)"
         )
 
-
-# GPipeStrategy(data_loading=...): every stage loads its batches, or stage 0 loads them once for its pipeline.
-
-
-DataLoading = Literal["every_stage", "first_stage"]
-DATA_LOADINGS: tuple[str, ...] = get_args(DataLoading)
 
 # A stateful loader's state would be stage 0's, taken up to the feed's depth batches ahead of the step: resuming
 # from it would skip batches, so the fed loader offers none (Lightning then saves no loader state, as for a DataLoader).

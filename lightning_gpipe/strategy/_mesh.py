@@ -6,7 +6,7 @@ import atexit
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,12 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_gpipe.pipe.comm.groups import runs_in_order
 from lightning_gpipe.pipe.dp.hierarchy import Hierarchy, build_hierarchies
-from lightning_gpipe.strategy._audit import logger
+from lightning_gpipe.strategy._arguments import DpReduction
 from lightning_gpipe.strategy._lightning_internals import init_dist_connection
+from lightning_gpipe.strategy._logger import logger
 
 T = TypeVar("T")
-DpReduction = Literal["auto", "flat", "hierarchical"]
-DP_REDUCTIONS = ("auto", "flat", "hierarchical")
 
 
 @dataclass(frozen=True)

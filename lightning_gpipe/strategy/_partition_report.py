@@ -11,9 +11,9 @@ from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from torch import nn
 
 from lightning_gpipe.pipe.skips import skip_layers
-from lightning_gpipe.strategy._audit import logger
 from lightning_gpipe.strategy._balance import MEASURES, UNITS, Plan
 from lightning_gpipe.strategy._lightning_internals import summarize_with
+from lightning_gpipe.strategy._logger import logger
 
 Table = list[tuple[str, list[str]]]
 
@@ -50,7 +50,7 @@ class WholeModel:
 @dataclass(frozen=True)
 class PartitionReport:
     """The split: which layers each of the stages holds, their parameters and cost; with interleaving the stages
-    are the vK chunks, rank k holding stages k, k + K, …"""
+    are the vK virtual stages, rank k holding stages k, k + K, …"""
 
     whole: WholeModel
     plan: Plan
@@ -118,8 +118,8 @@ class PartitionReport:
             if self._weighed:  # the Cost column is what was measured; the Share column and this, as weighed
                 worst += " of the weighed costs (the Share column; the Cost column is as measured)"
         v = self.virtual_stages
-        chunks = f" (virtual_stages={v}: rank k holds stages k, k + {self.K_ranks}, …)" if v > 1 else ""
-        split = f"split into {self.K} stages{chunks} by {MEASURES[self.plan.kind]}"
+        interleaved = f" (virtual_stages={v}: rank k holds stages k, k + {self.K_ranks}, …)" if v > 1 else ""
+        split = f"split into {self.K} stages{interleaved} by {MEASURES[self.plan.kind]}"
         return f"GPipeStrategy: self.{self.path} {split}{note}{worst}"
 
     def table(self, devices: Callable[[int], str] | None = None) -> Table:

@@ -13,18 +13,18 @@ from torch import Tensor, nn
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.dp.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
-from lightning_gpipe.pipe.run.executor import Checkpoint
-from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from lightning_gpipe.pipe.state.batchnorm import sync_deferred_batch_norm
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 from lightning_gpipe.strategy import _lightning_internals as internals
-from lightning_gpipe.strategy._arguments import check_backbone_layers, check_interleaving
+from lightning_gpipe.strategy._arguments import StrategyBalance, check_backbone_layers, check_interleaving
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit, check_loss
 from lightning_gpipe.strategy._averaged import WeightAverages
-from lightning_gpipe.strategy._balance import Plan, StrategyBalance, plan_balance, shown_costs
+from lightning_gpipe.strategy._balance import Plan, plan_balance, shown_costs
 from lightning_gpipe.strategy._materialize import InitRecord, has_meta_tensors, materialize
 from lightning_gpipe.strategy._mesh import PipelineMesh
-from lightning_gpipe.strategy._micro_batch_logs import sync_metrics_over
 from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel
+from lightning_gpipe.strategy._pipeline_loss_logs import sync_metrics_over
 from lightning_gpipe.strategy._step_results import abort_on_error
 from lightning_gpipe.strategy._trace import StepTracer
 from lightning_gpipe.strategy._weight_copies import HeldBuffers, WeightCopies, fit_to_pipeline
@@ -51,7 +51,7 @@ class StageOptions:
     output: Literal["all", "placeholder"]
     pipeline_loss: bool = False  # the module's pipeline_loss hook will run inside the pipeline
     schedule: ScheduleName = "gpipe"
-    virtual_stages: int = 1  # v chunks per rank: the backbone in vK stages
+    virtual_stages: int = 1  # v virtual stages per rank: the backbone in vK stages
 
     @classmethod
     def of(cls, strategy: Any) -> StageOptions:
@@ -226,12 +226,12 @@ def _plan(
     K, v = mesh.K, options.virtual_stages
 
     def simulated(costs: Sequence[float], S: int) -> list[int]:
-        return solve_chunks(costs, K, v, options.chunks, options.checkpoint, options.schedule)
+        return solve_virtual_stages(costs, K, v, options.chunks, options.checkpoint, options.schedule)
 
     # With the loss inside, the last stage runs each micro-batch's F and B together and never recomputes, and which
     # stage is the heavier changes the step: the cut that the schedule, simulated, runs fastest. (With the loss
     # outside every stage runs the same phases: the cheapest costliest stage.)
-    together = " (each rank's chunks together)" if v > 1 else ""
+    together = " (each rank's virtual stages together)" if v > 1 else ""
     how = f"split for the shortest simulated {options.schedule} step{together}"
 
     return plan_balance(
@@ -246,7 +246,7 @@ def _plan(
         batch_dim=options.batch_dim,
         broadcast=broadcast,
         # With the loss inside, the last stage runs F + B per micro-batch, the others F + R + B: about 3 : 4 (its
-        # costs weighed so in the log, and by solve_chunks where the simulation cannot tell two cuts apart).
+        # costs weighed so in the log, and by solve_virtual_stages where the simulation cannot tell two cuts apart).
         last_stage_scale=0.75 if options.pipeline_loss and options.checkpoint != "never" and v == 1 else 1.0,
         solver=(simulated, how) if v > 1 or options.pipeline_loss else None,
     )

@@ -26,21 +26,23 @@ from typing_extensions import override
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
-from lightning_gpipe.pipe.run.executor import Checkpoint
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 from lightning_gpipe.strategy import _checkpoint_files as checkpointing
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
+    CheckBatches,
+    DataLoading,
+    DpReduction,
+    StrategyBalance,
     check_arguments,
     check_world_size,
     find_backbone,
     reject_closure_replaying_optimizers,
     reject_unsupported,
 )
-from lightning_gpipe.strategy._balance import StrategyBalance
-from lightning_gpipe.strategy._batches import BatchCheck, CheckBatches, DataLoading, FedLoader, open_feed
+from lightning_gpipe.strategy._batches import BatchCheck, FedLoader, open_feed
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
 from lightning_gpipe.strategy._mesh import (
-    DpReduction,
     PipelineMesh,
     default_backend,
     keep_at_exit,
@@ -48,8 +50,8 @@ from lightning_gpipe.strategy._mesh import (
     world_broadcast,
     world_vote,
 )
-from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
 from lightning_gpipe.strategy._partition_report import show as show_partition
+from lightning_gpipe.strategy._pipeline_loss import PipelineLoss
 from lightning_gpipe.strategy._rank_pipeline import RankPipeline, StageOptions
 from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage, mute_prediction_output, unmute
 from lightning_gpipe.strategy._trace import Closure, StepTracer
@@ -100,10 +102,10 @@ class GPipeStrategy(ParallelStrategy):
             K − k micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
             (1F1B with the weight gradients of linear, convolution and embedding layers deferred into the drain: a
             smaller bubble, the same gradients); measured in ``benchmarks/README.md``. ``"interleaved-1f1b"`` with
-            ``virtual_stages`` ≥ 2: 1F1B over v chunks per rank, the bubble divided by v, more activations in flight.
-        virtual_stages: v, the chunks of the backbone each rank holds: it is split into v·K stages (balance: v·K
-            layer counts, or solved for v·K parts) and rank k holds stages k, k + K, …; ``schedule`` must then be
-            ``"interleaved-1f1b"``. Default 1: one contiguous stage per rank.
+            ``virtual_stages`` ≥ 2: 1F1B over v virtual stages per rank, the bubble divided by v, more activations in
+        flight. virtual_stages: v, the virtual stages of the backbone each rank holds: it is split into v·K stages
+            (balance: v·K layer counts, or solved for v·K parts) and rank k holds stages k, k + K, …; ``schedule`` must
+            then be ``"interleaved-1f1b"``. Default 1: one contiguous stage per rank.
         data_parallel_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket),
             ``"hierarchical"`` (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back;
             the same means to fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and
@@ -111,10 +113,6 @@ class GPipeStrategy(ParallelStrategy):
         data_loading: ``"every_stage"`` iterates each stage's own loader; ``"first_stage"`` iterates it on stage 0
             only, in a thread up to two batches ahead, and broadcasts each batch to the other stages of its
             pipeline (one input pipeline per pipeline: 1/K of the loading work, no per-stage augmentation to match).
-        checkpoint: deprecated, the name of ``activation_checkpointing`` before 0.1.0 (warns; removed in 0.2).
-        bucket_size_mb: deprecated, the name of ``bucket_cap_mb`` before 0.1.0 (warns; removed in 0.2).
-        micro_batch_loss: deprecated, the name of ``pipeline_loss`` before 0.1.0 (warns; removed in 0.2).
-        dp_reduction: deprecated, the name of ``data_parallel_reduction`` before 0.1.0 (warns; removed in 0.2).
     """
 
     strategy_name = "gpipe"
@@ -142,23 +140,13 @@ class GPipeStrategy(ParallelStrategy):
         virtual_stages: int = 1,
         data_parallel_reduction: DpReduction = "auto",
         data_loading: DataLoading = "every_stage",
-        # The names before 0.1.0 (see the class docstring): None unless given.
-        checkpoint: Checkpoint | None = None,
-        bucket_size_mb: float | None = None,
-        micro_batch_loss: bool | Literal["auto"] | None = None,
-        dp_reduction: DpReduction | None = None,
     ) -> None:
         super().__init__()
-        checked = check_arguments(GPipeStrategy.__init__, locals())  # raises on a bad value; takes the old names
-        activation_checkpointing = checked.get("activation_checkpointing", activation_checkpointing)
-        bucket_cap_mb = checked.get("bucket_cap_mb", bucket_cap_mb)
-        pipeline_loss = checked.get("pipeline_loss", pipeline_loss)
-        data_parallel_reduction = checked.get("data_parallel_reduction", data_parallel_reduction)
-        self.trace_steps: tuple[int, ...] = checked["trace_steps"]
+        self.trace_steps: tuple[int, ...] = check_arguments(locals())  # raises on a bad value
         self.data_parallel_reduction, self.data_loading = data_parallel_reduction, data_loading
         self._feed: BatchFeed | None = None
         self.pipeline_loss, self.schedule, self.virtual_stages = pipeline_loss, schedule, virtual_stages
-        self._micro: MicroBatchLoss | None = None
+        self._loss_inside: PipelineLoss | None = None
         self.trace_dir = trace_dir
         self.chunks, self.backbone, self.balance = chunks, backbone, balance
         self.activation_checkpointing = activation_checkpointing
@@ -296,7 +284,7 @@ class GPipeStrategy(ParallelStrategy):
             show_partition(self._rank_pipeline.report, trainer, self, log=built)
         self._connect(trainer, module)
         args = (self.stage, self.schedule, self.batch_dim, mesh.header_group, self.precision_plugin)
-        self._micro = MicroBatchLoss.choose(module, self.pipeline_loss, *args)
+        self._loss_inside = PipelineLoss.choose(module, self.pipeline_loss, *args)
         if self._feed is None:
             self._feed = open_feed(mesh, self.stage.is_first, log=built)
         self.barrier()
@@ -378,10 +366,10 @@ class GPipeStrategy(ParallelStrategy):
             audit.start_step(batch)
         with abort_on_error(stage):
             self._batch_check(batch, trainer.current_epoch, mesh.K, mesh.header_group)
-            if self._micro is None:
+            if self._loss_inside is None:
                 output = self._from_last_stage(super().training_step(*args, **kwargs))
             else:
-                with self._micro.training_step(trainer, self._rank_pipeline, reduce=not self._sync_blocked):
+                with self._loss_inside.training_step(trainer, self._rank_pipeline, reduce=not self._sync_blocked):
                     output = super().training_step(*args, **kwargs)
             self._rank_pipeline.sync_held_buffers()
         if audit is not None:
@@ -400,7 +388,11 @@ class GPipeStrategy(ParallelStrategy):
 
     def _evaluation_step(self) -> AbstractContextManager[None]:
         # With the loss inside, an output given straight to pipeline_loss stays on the last stage.
-        return nullcontext() if self._micro is None else self._micro.evaluation_step(self._trainer.lightning_module)
+        return (
+            nullcontext()
+            if self._loss_inside is None
+            else self._loss_inside.evaluation_step(self._trainer.lightning_module)
+        )
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -417,8 +409,12 @@ class GPipeStrategy(ParallelStrategy):
         module, plugin, loss = self.lightning_module, self.precision_plugin, closure_loss
         self.pre_backward(closure_loss)
         closure_loss = plugin.pre_backward(closure_loss, module)
-        if self._micro is not None and self._micro.ran:  # pipeline_loss ran: the step's gradients exist already
-            self._micro.add_gradients(loss, self._trainer, None if self._sync_blocked else self._rank_pipeline.reduce)
+        if (
+            self._loss_inside is not None and self._loss_inside.ran
+        ):  # pipeline_loss ran: the step's gradients exist already
+            self._loss_inside.add_gradients(
+                loss, self._trainer, None if self._sync_blocked else self._rank_pipeline.reduce
+            )
         else:
             backprop = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)  # on the last stage
             pipeline = self._rank_pipeline

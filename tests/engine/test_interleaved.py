@@ -38,7 +38,7 @@ def chain(L: int, dtype: torch.dtype) -> nn.Sequential:
 
 def tied(dtype: torch.dtype) -> nn.Sequential:
     """Layer 0's weight is used again by layer 7 (chunk 3: the other rank at K = 2, v = 2) and layer 4 (chunk 2: the
-    same rank as layer 0): a tie across ranks and one within a rank's chunks."""
+    same rank as layer 0): a tie across ranks and one within a rank's virtual stages."""
     model = chain(8, dtype)
     model[7].weight = model[0][0].weight
     model[4][0].weight = model[0][0].weight
@@ -294,15 +294,22 @@ def test_bad_interleaving_arguments_fail_on_every_rank_with_the_fix() -> None:
         counts, zero, other, one, five, short = got
         assert "balance [4, 4] has 2 entries but there are 4 stages" in counts, (rank, counts)
         assert "virtual_stages=2: the pipeline's stages are its K·v = 2·2 = 4 chunks" in counts, (rank, counts)
-        assert "virtual_stages (v, the chunks each rank holds) must be an int ≥ 1, got 0" in zero, (rank, zero)
-        assert "schedule '1f1b' takes v = 1 chunks per rank, got v = 2; with several chunks per rank use " in other
-        assert "schedule 'interleaved-1f1b' takes v ≥ 2 chunks per rank, got v = 1; with one chunk per rank" in one
+        assert "virtual_stages (v, the stages each rank holds) must be an int ≥ 1, got 0" in zero, (rank, zero)
+        assert (
+            "schedule '1f1b' takes v = 1 virtual stages per rank, got v = 2; with several virtual stages per rank use "
+            in other
+        )
+        assert (
+            "schedule 'interleaved-1f1b' takes v ≥ 2 virtual stages per rank, got v = 1; with one chunk per rank" in one
+        )
         assert re.search(r"chunks=5\): schedule 'interleaved-1f1b' runs M micro-batches in rounds .* M = 5 ", five)
         assert "M = 5 with K = 2 is not" in short, (rank, short)
 
 
 def test_one_rank_cannot_interleave() -> None:
-    with pytest.raises(ValueError, match="virtual_stages=2 interleaves chunks over the ranks of a pipeline, but this"):
+    with pytest.raises(
+        ValueError, match="virtual_stages=2 interleaves stages over the ranks of a pipeline, but this"
+    ):
         GPipeStage(chain(8, F64), chunks=4, virtual_stages=2)
 
 

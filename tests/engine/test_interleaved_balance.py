@@ -1,4 +1,4 @@
-"""Interleaving's split: each rank's chunks together, the shortest simulated interleaved-1f1b step."""
+"""Interleaving's split: each rank's virtual stages together, the shortest simulated interleaved-1f1b step."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from lightning_gpipe.pipe import GPipeStage, solve
 from lightning_gpipe.pipe.schedule.registry import lookup
 from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from lightning_gpipe.pipe.split import virtual_stages as chunks_module
-from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from tests.helpers.launch import run_distributed
 
 # F + B per micro-batch (ms) of the overhead benchmark's Transformer, as its traced interleaved steps ran them on this
@@ -25,7 +25,7 @@ TRANSFORMER = [1.0, *[5.9] * 6, 0.1, 1.0, *[8.9] * 6, 0.1, 13.7]
 
 
 def simulated_step(costs: Sequence[float], counts: Sequence[int], K: int, v: int, M: int) -> float:
-    """The model solve_chunks minimizes, written out again: F = c/3, B = 2c/3, R = F for a chunk of cost c."""
+    """The model solve_virtual_stages minimizes, written out again: F = c/3, B = 2c/3, R = F for a chunk of cost c."""
     per_chunk, start = {}, 0
     for s, n in enumerate(counts):
         c = sum(costs[start : start + n])
@@ -41,7 +41,7 @@ def every_split(L: int, S: int) -> list[list[int]]:
 
 def test_the_split_is_the_shortest_simulated_step_of_all() -> None:
     K, v, M = 2, 2, 8
-    got = solve_chunks(TRANSFORMER, K, v, M, "except_last")
+    got = solve_virtual_stages(TRANSFORMER, K, v, M, "except_last")
     steps = {tuple(c): simulated_step(TRANSFORMER, c, K, v, M) for c in every_split(len(TRANSFORMER), K * v)}
     assert steps[tuple(got)] == min(steps.values())
     per_chunk = solve(TRANSFORMER, K * v, 0.75)
@@ -55,22 +55,22 @@ def test_too_many_splits_to_simulate_are_searched_from_the_per_chunk_split(monke
     on random costs it never returns a worse split than solve()'s."""
     monkeypatch.setattr(chunks_module, "SIMULATED_ACTIONS", 200 * 64)  # 200 simulations of 64 actions
     best = min(simulated_step(TRANSFORMER, c, 2, 2, 8) for c in every_split(17, 4))
-    got = simulated_step(TRANSFORMER, solve_chunks(TRANSFORMER, 2, 2, 8, "except_last"), 2, 2, 8)
+    got = simulated_step(TRANSFORMER, solve_virtual_stages(TRANSFORMER, 2, 2, 8, "except_last"), 2, 2, 8)
     assert got <= 1.01 * best and got < 0.97 * simulated_step(TRANSFORMER, [5, 5, 3, 4], 2, 2, 8)
     gen = torch.Generator().manual_seed(0)
     for L, K, v, M in ((24, 2, 3, 6), (30, 3, 2, 6), (12, 2, 2, 4)):
         costs = (torch.rand(L, generator=gen, dtype=torch.float64) * 2 + 1).tolist()
-        counts = solve_chunks(costs, K, v, M, "except_last")
+        counts = solve_virtual_stages(costs, K, v, M, "except_last")
         assert len(counts) == K * v and sum(counts) == L and min(counts) >= 1
         start = solve(costs, K * v, 0.75)
         assert simulated_step(costs, counts, K, v, M) <= simulated_step(costs, start, K, v, M)
 
 
 def test_solve_chunks_refuses_chunks_per_rank_the_schedule_refuses() -> None:
-    with pytest.raises(ValueError, match=r"'interleaved-1f1b' takes v ≥ 2 chunks per rank, got v = 1"):
-        solve_chunks(TRANSFORMER, 2, 1, 8, "except_last")
-    with pytest.raises(ValueError, match=r"'1f1b' takes v = 1 chunks per rank, got v = 2"):
-        solve_chunks(TRANSFORMER, 2, 2, 8, "except_last", "1f1b")
+    with pytest.raises(ValueError, match=r"'interleaved-1f1b' takes v ≥ 2 virtual stages per rank, got v = 1"):
+        solve_virtual_stages(TRANSFORMER, 2, 1, 8, "except_last")
+    with pytest.raises(ValueError, match=r"'1f1b' takes v = 1 virtual stages per rank, got v = 2"):
+        solve_virtual_stages(TRANSFORMER, 2, 2, 8, "except_last", "1f1b")
 
 
 def layer_cost(i: int, layer: nn.Module) -> float:
@@ -85,8 +85,8 @@ def stage_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(60)
-def test_a_stage_solves_its_chunks_for_the_interleaved_step() -> None:
-    """GPipeStage(virtual_stages=2) with costs gets solve_chunks' split on both ranks; with v = 1 solve() is kept."""
+def test_a_stage_solves_its_virtual_stages_for_the_interleaved_step() -> None:
+    """GPipeStage(virtual_stages=2) with costs gets solve_virtual_stages' split on both ranks; v = 1 keeps solve()."""
     for result in run_distributed(stage_worker, 2, timeout=50):
-        assert result["interleaved"] == solve_chunks(TRANSFORMER, 2, 2, 8, "except_last")
+        assert result["interleaved"] == solve_virtual_stages(TRANSFORMER, 2, 2, 8, "except_last")
         assert result["one_chunk"] == solve(TRANSFORMER, 2)

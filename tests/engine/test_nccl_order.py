@@ -22,12 +22,11 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.comm.nccl_order import ENV, OrderedP2P, P2POrderError
 from lightning_gpipe.pipe.comm.transport import Transport
-from lightning_gpipe.pipe.run.loss_inside import SCHEDULES as RUNNABLE
 from lightning_gpipe.pipe.schedule.registry import SCHEDULES as REGISTRY
 from tests.helpers.launch import run_distributed
 
 # One chunk per rank (interleaving runs under these rules in test_interleaved.py).
-SCHEDULES = tuple(name for name in RUNNABLE if REGISTRY[name].accepts(1))
+SCHEDULES = tuple(name for name, spec in REGISTRY.items() if spec.accepts(1))
 
 TOL = 1e-6
 D = 6

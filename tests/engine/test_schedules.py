@@ -53,10 +53,9 @@ def test_the_drawn_schedules_are_what_the_action_lists_do(name: str) -> None:
 
 def test_lookup_names_the_registered_schedules() -> None:
     assert lookup("zb-h1") is SCHEDULES["zb-h1"]
-    with pytest.raises(ValueError, match=re.escape("schedule='zb-h2' is not a registered schedule; choose one of")):
+    with pytest.raises(ValueError, match=re.escape("schedule='zb-h2' is not one of")):
         lookup("zb-h2")
     assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"} <= set(SCHEDULES)
-    assert [name for name, s in SCHEDULES.items() if s.runnable] == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
 
 def _refusal(name: str, K: int, M: int, v: int) -> str | None:
@@ -83,7 +82,7 @@ def test_every_schedule_is_valid_and_free_of_deadlocks_under_nccl_rules(name: st
         return
     actions = SCHEDULES[name].actions(K, M, v)
     assert len(actions) == K
-    unit = Costs(F=1 / v, B=2 / v, I=1 / v, W=1 / v)  # a rank's v chunks cost what one stage costs
+    unit = Costs(F=1 / v, B=2 / v, I=1 / v, W=1 / v)  # a rank's v virtual stages cost what one stage costs
     result = simulate(actions, K, v, unit)  # the runtime's communicator layout, NCCL's rules
     assert simulate(actions, K, v, unit, nccl=False).makespan <= result.makespan + 1e-9
     assert max(result.finish) == result.makespan and 0 <= result.bubble < 1

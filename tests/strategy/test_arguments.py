@@ -5,11 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.pipe import GPipeStage
 
 
 @pytest.mark.parametrize(
@@ -54,31 +51,6 @@ def test_good_arguments_are_kept() -> None:
     assert GPipeStrategy.strategy_name == "gpipe"
 
 
-@pytest.mark.parametrize(
-    ("old", "new", "value"),
-    [
-        ("checkpoint", "activation_checkpointing", "always"),
-        ("bucket_size_mb", "bucket_cap_mb", 64.0),
-        ("micro_batch_loss", "pipeline_loss", False),
-        ("dp_reduction", "data_parallel_reduction", "flat"),
-    ],
-)
-def test_an_old_name_warns_with_the_new_one_and_still_works(old: str, new: str, value: Any) -> None:
-    with pytest.warns(DeprecationWarning, match=rf"GPipeStrategy\({old}=...\) is renamed GPipeStrategy\({new}=...\)"):
-        strategy = GPipeStrategy(**{old: value})
-    assert getattr(strategy, new) == value
-    with pytest.raises(ValueError, match=f"{old} is the old name of {new}; give only {new}"):
-        GPipeStrategy(**{old: value, new: value})
-
-
-def test_the_engine_step_keeps_its_old_name_for_one_release() -> None:
-    stage = GPipeStage(nn.Sequential(nn.Linear(2, 2)), chunks=1)
-    x = torch.ones(2, 2)
-    with pytest.warns(FutureWarning, match="GPipeStage.train_step is renamed GPipeStage.forward_backward"):
-        losses = stage.train_step(x, lambda y, m: y.sum())
-    assert len(losses) == 1
-
-
 def test_dp_reduction_is_named_and_auto_goes_hierarchical_only_where_it_saves_traffic() -> None:
     from lightning_gpipe.strategy._mesh import hierarchical
 
@@ -91,20 +63,3 @@ def test_dp_reduction_is_named_and_auto_goes_hierarchical_only_where_it_saves_tr
     assert not hierarchical("auto", 4, 2, 2)  # one replica of each stage per node
     assert not hierarchical("auto", 4, 1, 4)  # one node
     assert hierarchical("hierarchical", 4, 1, 4) and not hierarchical("flat", 8, 2, 4)
-
-
-def test_the_old_name_of_the_loss_denominator_hook_is_read_with_a_warning() -> None:
-    from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss, _denominator
-
-    class OldNames(nn.Module):
-        def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-            return output.sum()
-
-        def pipeline_loss_count(self, batch: Any) -> int:
-            return 3
-
-    stage, module = GPipeStage(nn.Sequential(nn.Linear(2, 2)), chunks=1), OldNames()
-    with pytest.warns(DeprecationWarning, match="OldNames.pipeline_loss_count is renamed pipeline_loss_denominator"):
-        assert MicroBatchLoss.choose(module, "auto", stage, "gpipe", 0, None, None) is not None
-    hook = _denominator(module)
-    assert hook is not None and hook(None) == 3

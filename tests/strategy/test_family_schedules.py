@@ -21,7 +21,7 @@ from tests.helpers.habits_modules import BATCH, STEPS, make_module, plain_run, s
 from tests.helpers.launch import quiet_trainer, run_distributed
 
 TOL = 1e-10  # float64
-SCHEDULES = {"zb-h1": 1, "interleaved-1f1b": 2}  # schedule: chunks per rank (v)
+SCHEDULES = {"zb-h1": 1, "interleaved-1f1b": 2}  # schedule: virtual stages per rank (v)
 K = 2
 
 

@@ -80,7 +80,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
             for k, v in saved.items()
         )
     stage = strategy.stage
-    out["loss_inside"] = strategy._micro is not None
+    out["loss_inside"] = strategy._loss_inside is not None
     out["stage_numel"] = sum(p.numel() for p in stage.parameters())
     out["whole_numel"] = sum(p.numel() for p in spec["build"]()["vit" if "vit" in name else "backbone"].parameters())
     if name == "vit_alias":

@@ -1,4 +1,5 @@
-"""The package's shape: no import circle, and GPipeStrategy one Lightning strategy class over a few private helpers."""
+"""The package's shape: no import circle, the engine's parts as folders that import only down, and GPipeStrategy one
+Lightning strategy class over a few private helpers."""
 
 from __future__ import annotations
 
@@ -60,9 +61,56 @@ def test_no_import_circle_in_the_package() -> None:
     assert circles(graph) == []
 
 
+def engine_imports() -> dict[str, set[str]]:
+    """Each engine module (``pipe.run.executor``) and the engine modules it imports at import time."""
+    return {
+        ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"): {
+            m.removeprefix("lightning_gpipe.") for m in module_imports(p)
+        }
+        for p in sorted((PACKAGE / "pipe").rglob("*.py"))
+    }
+
+
+# The engine's parts, bottom up: a part imports only from its own folder and the parts before it (pipe.__init__
+# re-exports the public names and may import anything).
+LAYERS = [
+    {"pipe.errors", "pipe._torch_internals", "pipe.microbatch", "pipe.skips"},
+    {"pipe.state", "pipe.schedule", "pipe.trace", "pipe.dp"},
+    {"pipe.split", "pipe.comm"},
+    {"pipe.run"},
+    {"pipe.stage"},
+]
+
+
+def layer_of(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if any(module == part or module.startswith(f"{part}.") for part in layer):
+            return i
+    raise AssertionError(f"{module} belongs to no part of the engine: add it to LAYERS")
+
+
+def test_the_engine_is_a_few_folders_each_importing_only_down() -> None:
+    top = sorted(p.name for p in (PACKAGE / "pipe").glob("*.py"))
+    assert len(top) <= 12, top
+    folders = sorted(p.name for p in (PACKAGE / "pipe").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert folders == ["comm", "dp", "run", "schedule", "split", "state", "trace"]
+    for path in (PACKAGE / "pipe").rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and len(doc.splitlines()[0]) > 20, path  # a first line that says what the module is for
+    upward = [
+        f"{module} imports {dep}"
+        for module, deps in engine_imports().items()
+        if module != "pipe"
+        for dep in deps
+        if dep.startswith("pipe.") and layer_of(dep) > layer_of(module)
+    ]
+    assert upward == []
+    assert all(not dep.startswith("strategy") for deps in engine_imports().values() for dep in deps)
+
+
 def test_strategy_is_one_class_over_private_helpers() -> None:
     modules = sorted(STRATEGY.glob("*.py"))
-    assert len(modules) <= 20, [p.name for p in modules]
+    assert len(modules) <= 21, [p.name for p in modules]
     for path in modules:
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc and doc.splitlines()[0].strip(), path.name  # its first line says what the module is for

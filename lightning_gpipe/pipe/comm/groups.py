@@ -96,7 +96,7 @@ def skip_groups(group: dist.ProcessGroup, rank: int, pairs: list[tuple[int, int]
     for pipeline in pipelines:
         for i, (s, p) in enumerate(pairs):
             a, b = s % K, p % K
-            if a == b:  # two chunks of one rank: handed over in the process
+            if a == b:  # two virtual stages of one rank: handed over in the process
                 continue
             for tag in skip_tags(i):
                 made = dist.new_group([pipeline[a], pipeline[b]], backend=backend)

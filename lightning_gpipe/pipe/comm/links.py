@@ -40,8 +40,8 @@ class Links:
     ) -> tuple[Any, dict[str, Any]]:
         """Micro-batch m's input from the previous stage, with its header fields: M, its size n, the step seed.
 
-        With several chunks per rank (interleaving) the previous stage ``stage - 1`` is on rank ``src``; by default
-        this rank is stage ``index`` and the previous one is rank ``index - 1``."""
+        With several virtual stages per rank (interleaving) the previous stage ``stage - 1`` is on rank ``src``; by
+        default this rank is stage ``index`` and the previous one is rank ``index - 1``."""
         src = self.index - 1 if src is None else src
         stage = self.index if stage is None else stage
         with self.timeline.record("recv-wait", m, chunk=chunk):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,25 +32,15 @@ from lightning_gpipe.pipe.state.batchnorm import (
     deferred_statistics,
 )
 from lightning_gpipe.pipe.state.buffers import StatefulBuffers
-from lightning_gpipe.pipe.state.rematerialize import ForwardState, first_forward, recomputing
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint, ForwardState, first_forward, recomputing
 from lightning_gpipe.pipe.state.rng import StepSeeds, mix
 from lightning_gpipe.pipe.trace.events import Timeline
-
-Checkpoint = Literal["always", "except_last", "never"]
-CHECKPOINT_MODES: tuple[Checkpoint, ...] = get_args(Checkpoint)
 
 
 class RunLayers(Protocol):
     """Runs a stage's layers on one micro-batch, their randomness seeded by ``seed``; ``copy``: on a copy of ``x``."""
 
     def __call__(self, x: Any, seed: int, copy: bool = True) -> Any: ...
-
-
-def validate_checkpoint(mode: str) -> Checkpoint:
-    for valid in CHECKPOINT_MODES:
-        if mode == valid:
-            return valid
-    raise ValueError(f"checkpoint={mode!r} is not one of {list(CHECKPOINT_MODES)}")
 
 
 Pairs = list[tuple[torch.Tensor, Any]]
@@ -71,7 +61,7 @@ class Executor:
 
     ``layers`` is the stage's module (its parameters, its BatchNorm layers); ``run`` runs them on a micro-batch;
     ``producer`` names its last layer in boundary errors. ``links`` is None on a stage without peers. With several
-    chunks per rank (interleaving, ``virtual_stages``) each chunk has its executor: stage ``index`` of
+    virtual stages per rank (interleaving, ``virtual_stages``) each chunk has its executor: stage ``index`` of
     ``num_stages`` = vK is chunk ``chunk`` of rank ``index % ranks``, its neighbours on ranks ``index ± 1`` mod K.
     """
 
@@ -116,7 +106,7 @@ class Executor:
 
     @property
     def place(self) -> str | None:
-        """Which of the rank's chunks this is, as an error names it (None: the rank's only chunk)."""
+        """Which of the rank's virtual stages this is, as an error names it (None: the rank's only chunk)."""
         return (
             None
             if self.chunk < 0

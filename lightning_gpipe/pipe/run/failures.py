@@ -56,8 +56,8 @@ class FailureHandler:
     def phase(self, phase: str, output_mode: OutputMode) -> Iterator[list[Any]]:
         """Turns any error into a PipelineError that reaches every stage, then checks that all stages succeeded.
 
-        Yields a list in which the phase keeps the micro-batch it works on and, with several chunks per rank, the
-        executor's ``place`` (which chunk), for the error message.
+        Yields a list in which the phase keeps the micro-batch it works on and, with several virtual stages per rank,
+        the executor's ``place`` (which chunk), for the error message.
         """
         self.check_usable()
         where: list[Any] = [None, None]

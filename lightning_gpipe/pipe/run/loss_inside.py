@@ -4,8 +4,8 @@ The schedules are data (``pipe.schedule.registry``: each rank's ordered actions,
 registered one: "gpipe" and "1f1b" (F m and B m on one chunk per rank), "zb-h1" (B m split into I m and W m:
 ``pipe.run.weight_grad`` defers the weight gradients of the micro-batch's linear, convolution and embedding ops from
 I to W; where W m follows I m at once, as on rank 0, the two run as one B m: ``registry.fuse_halves``) and
-"interleaved-1f1b" (F m and B m on each of the rank's v chunks, one executor per chunk: chunk c of rank r is stage
-cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk c + 1, and its gradient comes back), after
+"interleaved-1f1b" (F m and B m on each of the rank's v virtual stages, one executor per chunk: chunk c of rank r is
+stage cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk c + 1, and its gradient comes back), after
 ``pipe.schedule.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout
 under NCCL's ordering rules.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
@@ -31,42 +31,30 @@ from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_
 from lightning_gpipe.pipe.run.executor import Executor, Pairs
 from lightning_gpipe.pipe.run.records import Step
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
-from lightning_gpipe.pipe.schedule.registry import Action, fuse_halves, keeps_graph, lookup
+from lightning_gpipe.pipe.schedule.registry import Action, ScheduleName, fuse_halves, keeps_graph, lookup
 from lightning_gpipe.pipe.schedule.simulator import simulate
 from lightning_gpipe.pipe.state.batchnorm import check_replicas_run_the_same_m, commit_deferred_batch_norm
 from lightning_gpipe.pipe.state.rng import restored_streams
 
-# The schedules this executor runs: the registry's runnable ones (pipe.schedule.registry.SCHEDULES holds them all).
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
-SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 # The last stage's loss of one micro-batch: (its output, m) -> a scalar tensor to back-propagate.
 LossFn = Callable[[Any, int], torch.Tensor]
 
 
-def validate_schedule(name: str) -> ScheduleName:
-    for valid in SCHEDULES:
-        if name == valid:
-            return valid
-    raise ValueError(f"schedule={name!r} is not one of {list(SCHEDULES)}")
-
-
 def check_schedule(schedule: ScheduleName, K: int, M: int, v: int) -> None:
-    """The registry's clear ValueError when ``schedule`` refuses v chunks per rank, or M micro-batches on K ranks."""
+    """The registry's clear ValueError when ``schedule`` refuses v virtual stages per rank, or M micro-batches on K."""
     lookup(schedule).actions(K, M, v)
 
 
 @lru_cache(maxsize=64)
 def rank_actions(schedule: ScheduleName, K: int, M: int, v: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Every rank's actions under ``schedule``, once the simulator found them valid and free of deadlocks."""
-    spec = lookup(schedule)
-    assert spec.runnable, f"the executor does not run {schedule!r}: validate_schedule admits only {SCHEDULES}"
-    actions = [fuse_halves(ops) for ops in spec.actions(K, M, v)]
+    actions = [fuse_halves(ops) for ops in lookup(schedule).actions(K, M, v)]
     simulate(actions, K, v)
     return tuple(tuple(ops) for ops in actions)
 
 
 def forward_backward(
-    chunks: Sequence[Executor],
+    executors: Sequence[Executor],
     input: Any,
     micro_batches: int,
     loss_fn: LossFn,
@@ -76,23 +64,23 @@ def forward_backward(
 ) -> list[torch.Tensor]:
     """Forward and backward of every micro-batch on this rank's stages, in ``schedule``'s order (drawn above).
 
-    ``chunks`` are the rank's stages, one executor each (several with interleaving: rank r holds stages r, r + K,
+    ``executors`` are the rank's stages, one executor each (several with interleaving: rank r holds stages r, r + K,
     …). ``input`` is used on stage 0 only. The last stage calls ``loss_fn(output_m, m)`` for each micro-batch and
     back-propagates the scalar it returns at once; it returns those scalars, detached (the others return []).
     ``drained`` runs once this rank's gradients are complete, before the check that every stage finished;
     ``before_last_backward`` right before this rank's last backward op, after which its gradients are final (a W
     under "zb-h1": the gradients that I gives are final before it, the deferred ones come in it).
     """
-    first, v = chunks[0], len(chunks)
+    first, v = executors[0], len(executors)
     K, r = first.ranks, first.index
     seed = first.seeds.draw()
     losses: list[torch.Tensor] = []
     with first.failures.phase("train", "last") as where, restored_streams(first.device):
         sizes = plan_sizes(input, micro_batches, first.batch_dim) if first.is_first else []
         micro_inputs, input_leaves = split_leaves(input, sizes, first.batch_dim) if first.is_first else ([], [])
-        could_require = [any(p.requires_grad for p in s.layers.parameters()) for s in chunks]
-        steps = [Step([], input_leaves=input_leaves if s.is_first else [], seed=seed) for s in chunks]
-        for s in chunks:
+        could_require = [any(p.requires_grad for p in s.layers.parameters()) for s in executors]
+        steps = [Step([], input_leaves=input_leaves if s.is_first else [], seed=seed) for s in executors]
+        for s in executors:
             s.stateful_buffers.begin()
         ops = rank_actions(schedule, K, len(sizes), v)[r] if first.is_first else None
         input_grads: list[list[torch.Tensor]] = [[] for _ in sizes]
@@ -110,7 +98,7 @@ def forward_backward(
         with hooks:  # zb-h1's, removed however the loop ends
             while ops is None or pos < len(ops):
                 kind, m, c = ops[pos] if ops is not None else Action("F", 0)
-                s, step = chunks[c], steps[c]
+                s, step = executors[c], steps[c]
                 where[:] = m, s.place
                 if kind == "F":
                     if s.is_first:

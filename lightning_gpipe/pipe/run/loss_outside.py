@@ -23,9 +23,9 @@ Re-materialization modes: ``always`` checkpoints every micro-batch; ``except_las
 last one, whose backward comes first, so recomputing it would only delay the drain (no R3 above);
 ``never`` keeps every graph (fastest, most memory).
 
-With v chunks per rank (``virtual_stages``: rank r holds stages r, r + K, …) the phases run the rank's chunks one
-after the other, each as above: a forward phase around the ring v times (rank K − 1 hands micro-batch m of chunk c to
-rank 0's chunk c + 1), a backward phase back, the last chunk first.
+With v virtual stages per rank (``virtual_stages``: rank r holds stages r, r + K, …) the phases run the rank's virtual
+stages one after the other, each as above: a forward phase around the ring v times (rank K − 1 hands micro-batch m of
+chunk c to rank 0's chunk c + 1), a backward phase back, the last chunk first.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from lightning_gpipe.pipe.microbatch import join, join_input_grads, plan_sizes, split_by_sizes, split_leaves, tensors
-from lightning_gpipe.pipe.run.executor import Checkpoint, Executor, marked_pairs
+from lightning_gpipe.pipe.run.executor import Executor, marked_pairs
 from lightning_gpipe.pipe.run.outputs import join_outputs, output_grads, share_output
 from lightning_gpipe.pipe.run.records import OutputMode, Step
 from lightning_gpipe.pipe.split.boundary import check_boundary
@@ -46,6 +46,7 @@ from lightning_gpipe.pipe.state.batchnorm import (
     commit_deferred_batch_norm,
     deferred_statistics,
 )
+from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 from lightning_gpipe.pipe.state.rng import mix, restored_streams
 
 
@@ -80,10 +81,10 @@ def _micro_batches(
         m += 1
 
 
-def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> tuple[list[Step], Any]:
-    """The forward phase: every micro-batch through this rank's stages (``chunks``, in order), each in order; returns
+def forward_phase(executors: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> tuple[list[Step], Any]:
+    """The forward phase: every micro-batch through this rank's stages (``executors``, in order), each in order; returns
     the step of each chunk and the output."""
-    first = chunks[0]
+    first = executors[0]
     seed = first.seeds.draw()
     batch_dim = first.batch_dim
     steps = []
@@ -91,7 +92,7 @@ def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: O
         sizes = plan_sizes(input, M, batch_dim) if first.is_first else []
         micro_inputs, input_leaves = split_leaves(input, sizes, batch_dim) if first.is_first else ([], [])
         M = len(micro_inputs)
-        for s in chunks:
+        for s in executors:
             could_require = any(p.requires_grad for p in s.layers.parameters())
             step = Step([], input_leaves=input_leaves if s.is_first else [], seed=seed)
             s.stateful_buffers.begin()
@@ -104,7 +105,7 @@ def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: O
             commit_deferred_batch_norm(s.layers)
             steps.append(step)
         where[:] = None, None
-        last = chunks[-1]
+        last = executors[-1]
         output = join_outputs(steps[-1], batch_dim) if last.is_last else None
         output = share_output(output, output_mode, first.links, first.ranks, first.device)
         if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
@@ -114,7 +115,7 @@ def forward_phase(chunks: Sequence[Executor], input: Any, M: int, output_mode: O
 
 
 def backward_phase(
-    chunks: Sequence[Executor],
+    executors: Sequence[Executor],
     steps: Sequence[Step],
     grad_output: Any,
     output_mode: OutputMode,
@@ -123,10 +124,10 @@ def backward_phase(
     """The backward phase: the micro-batches of each chunk's step in reverse, the last chunk first, each recomputed
     first if checkpointed; ``drained`` runs once this rank's gradients are complete, before the status check waits
     for the others."""
-    first = chunks[0]
+    first = executors[0]
     links = first.links
     with first.failures.phase("backward", output_mode) as where:
-        for s, step in reversed(list(zip(chunks, steps))):
+        for s, step in reversed(list(zip(executors, steps))):
             last_grads = output_grads(step, grad_output, s.batch_dim) if s.is_last else None
             input_grads: list[list[torch.Tensor]] = [[] for _ in step.micro]
             for m in backward_order(len(step.micro)):
@@ -145,9 +146,9 @@ def backward_phase(
         links.transport.wait_sends()
 
 
-def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> Any:
+def evaluate(executors: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> Any:
     """A forward-only pipeline (no grad) through this rank's stages in order: nothing is kept for a backward phase."""
-    first = chunks[0]
+    first = executors[0]
     seed = first.seeds.draw()
     batch_dim = first.batch_dim
     with (
@@ -158,7 +159,7 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
         planned = plan_sizes(input, M, batch_dim) if first.is_first else []
         inputs = split_by_sizes(input, planned, batch_dim) if first.is_first else []
         M = len(inputs)
-        for s in chunks:
+        for s in executors:
             outs, sizes = [], []
             for m, x, n, got in _micro_batches(s, inputs, planned, M, False, where):
                 if got is not None:
@@ -177,7 +178,7 @@ def evaluate(chunks: Sequence[Executor], input: Any, M: int, output_mode: Output
                     s.peers().send_skips(dst, values, [False] * len(tensors(values)), s.chunk, fields, s.routes())
             commit_deferred_batch_norm(s.layers)
         where[:] = None, None
-        output = join(outs, batch_dim, sizes) if chunks[-1].is_last else None
+        output = join(outs, batch_dim, sizes) if executors[-1].is_last else None
         output = share_output(output, output_mode, first.links, first.ranks, first.device)
         if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
             first.links.check_status()

@@ -53,11 +53,3 @@ class Placeholder:
 
 OutputMode = Literal["last", "all", "placeholder"]
 OUTPUT_MODES: tuple[OutputMode, ...] = get_args(OutputMode)
-
-
-def validate_output_mode(mode: str, argument: str) -> OutputMode:
-    """``mode`` as an OutputMode, or a ValueError naming the ``argument`` that gave it."""
-    for valid in OUTPUT_MODES:
-        if mode == valid:
-            return valid
-    raise ValueError(f"{argument}={mode!r} is not one of {list(OUTPUT_MODES)}")

@@ -4,7 +4,7 @@ A schedule is, per rank, a list of actions; the sends and receives follow from i
 derives them, checks the lists and times them). F m = forward of micro-batch m; B m = its backward (on the last
 stage it begins with the loss of micro-batch m, so it can start as soon as its forward ends); I m and W m = B m's
 halves, the input gradient (which the previous stage waits for) and the weight gradient (which nobody waits for).
-With v chunks per rank, a letter names the chunk: rank r holds stages r (a), r + K (b), … Drawn by
+With v virtual stages per rank, a letter names the chunk: rank r holds stages r (a), r + K (b), … Drawn by
 ``simulator.draw``: every action one unit long, sends that never stall ('.' = idle); "peak live": most micro-batches
 (per chunk) between F and B or W.
 
@@ -50,7 +50,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 if TYPE_CHECKING:  # the registry and the simulator need no torch
-    from lightning_gpipe.pipe.run.executor import Checkpoint
+    from lightning_gpipe.pipe.state.rematerialize import Checkpoint
+
+# The registered schedules' names (SCHEDULES below holds one spec each).
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
 Kind = Literal["F", "B", "I", "W"]
 
@@ -59,7 +62,7 @@ class Action(NamedTuple):
     """One unit of a rank's work: F (forward), B (backward), or B's halves I (input gradient: what the previous
     stage waits for) and W (weight gradient: nobody waits for it), of micro-batch ``m`` on the rank's chunk ``c``.
 
-    Rank r of K holds chunks 0 … v−1, the stages r, r + K, …, r + (v−1)K: chunk c is stage c·K + r.
+    Rank r of K holds virtual stages (chunks) c = 0 … v−1, the stages r, r + K, …, r + (v−1)K: chunk c is stage c·K + r.
     """
 
     kind: Kind
@@ -77,29 +80,28 @@ Build = Callable[[int, int, int], list[list[Action]]]
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A registered schedule: ``build(K, M, v)`` gives each rank's actions; ``v`` from ``v_min`` to ``v_max``
-    (None: no bound); ``runnable``: the executor (``forward_backward``) runs it; ``example``: (K, M, v) drawn above."""
+    (None: no bound); ``example``: (K, M, v) drawn above."""
 
-    name: str
+    name: ScheduleName
     build: Build
     description: str
     v_min: int = 1
     v_max: int | None = 1
-    runnable: bool = False
     example: tuple[int, int, int] = (3, 4, 1)
 
     def accepts(self, v: int) -> bool:
         return self.v_min <= v and (self.v_max is None or v <= self.v_max)
 
     def actions(self, K: int, M: int, v: int = 1) -> list[list[Action]]:
-        """Each rank's actions for K ranks, M micro-batches, v chunks per rank; a clear ValueError if refused."""
+        """Each rank's actions for K ranks, M micro-batches, v virtual stages a rank; a clear ValueError if refused."""
         for what, n in (("K", K), ("M", M), ("v", v)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"schedule {self.name!r}: {what} must be a positive integer, got {n!r}")
         if not self.accepts(v):
             allowed = f"v = {self.v_min}" if self.v_max == self.v_min else f"v ≥ {self.v_min}"
             raise ValueError(
-                f"schedule {self.name!r} takes {allowed} chunks per rank, got v = {v}"
-                + ("; with several chunks per rank use 'interleaved-1f1b'" if self.v_max == 1 else "")
+                f"schedule {self.name!r} takes {allowed} virtual stages per rank, got v = {v}"
+                + ("; with several virtual stages per rank use 'interleaved-1f1b'" if self.v_max == 1 else "")
                 + ("; with one chunk per rank use '1f1b'" if self.v_min > 1 else "")
             )
         return self.build(K, M, v)
@@ -175,27 +177,23 @@ def interleaved_1f1b(K: int, M: int, v: int) -> list[list[Action]]:
     return ranks
 
 
-SCHEDULES: dict[str, ScheduleSpec] = {
+SCHEDULES: dict[ScheduleName, ScheduleSpec] = {
     s.name: s
     for s in (
-        ScheduleSpec("gpipe", gpipe, "fill/drain: every forward, then every backward (M in flight)", runnable=True),
-        ScheduleSpec(
-            "1f1b", one_f_one_b, "one forward, one backward: at most K − k in flight on rank k", runnable=True
-        ),
+        ScheduleSpec("gpipe", gpipe, "fill/drain: every forward, then every backward (M in flight)"),
+        ScheduleSpec("1f1b", one_f_one_b, "one forward, one backward: at most K − k in flight on rank k"),
         ScheduleSpec(
             "interleaved-1f1b",
             interleaved_1f1b,
-            "1F1B over v chunks per rank (stages r, r + K, …): the bubble divided by v",
+            "1F1B over v virtual stages per rank (stages r, r + K, …): the bubble divided by v",
             v_min=2,
             v_max=None,
-            runnable=True,
             example=(2, 4, 2),
         ),
         ScheduleSpec(
             "zb-h1",
             zb_h1,
             "1F1B with backward split into I and W, W deferred into the cool-down",
-            runnable=True,
             example=(3, 4, 1),
         ),
     )
@@ -206,7 +204,7 @@ def lookup(name: str) -> ScheduleSpec:
     """The registered schedule ``name``, or a ValueError naming the registered ones."""
     if isinstance(name, str) and name in SCHEDULES:
         return SCHEDULES[name]
-    raise ValueError(f"schedule={name!r} is not a registered schedule; choose one of {list(SCHEDULES)}")
+    raise ValueError(f"schedule={name!r} is not one of {list(SCHEDULES)}")
 
 
 def fuse_halves(actions: Sequence[Action]) -> list[Action]:

@@ -25,7 +25,7 @@ What it assumes the runtime does (``forward_backward``, ``Executor.forward_micro
   rank on the downstream group and to a lower one on the upstream group (two communicators over the same ranks,
   ``upstream_group_for``). ``"flow"``: activations on one, gradients on the other, whatever the ranks; ``"link"``: a
   communicator per ordered pair of ranks; ``"single"``: one for everything (the layout that hung, to show the check
-  catches it). A transfer between two chunks of one rank is a local hand-off.
+  catches it). A transfer between two virtual stages of one rank is a local hand-off.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Literal
 from lightning_gpipe.pipe.schedule.registry import Action, keeps_graph
 
 if TYPE_CHECKING:
-    from lightning_gpipe.pipe.run.executor import Checkpoint
+    from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
 Layout = Literal["rank-order", "flow", "single", "link"]
 Message = tuple[str, int, int]  # ("activation" | "gradient", micro-batch, the stage that sends it)

@@ -54,7 +54,7 @@ class LayerIndex:
         self._kinds = [type(layer).__name__ for layer in module]
         self._balance = balance
         self._index = index
-        # The stages this rank holds: ``index`` alone, or its chunks with interleaving (balance has a count per chunk).
+        # The stages this rank holds: ``index`` alone, or its virtual stages (interleaving: a count each in balance).
         self._stages = list(stages) or [index]
         self._remote: dict[int, RemoteLayer] = {}
 
@@ -92,7 +92,7 @@ class LayerIndex:
         ranges = self.layer_ranges
         if len(ranges) > 1:
             raise RuntimeError(
-                f"this rank holds {len(ranges)} chunks (virtual_stages), not one range of layers: use layer_ranges"
+                f"this rank holds {len(ranges)} virtual stages, not one range of layers: use layer_ranges"
             )
         return ranges[0]
 

@@ -1,5 +1,5 @@
-"""Interleaving (``virtual_stages`` = v ≥ 2): the v chunks a rank holds, rank r the stages r, r + K, …, r + (v−1)K;
-and the split of a backbone into chunks (or, v = 1, stages) for the shortest simulated step."""
+"""Interleaving (``virtual_stages`` = v ≥ 2): the v virtual stages a rank holds, rank r the stages r, r + K, …, r +
+(v−1)K; and the split of a backbone into vK stages (v = 1: K) for the shortest simulated step."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from lightning_gpipe.pipe.split.balance import Balance, agree_on_balance, local_name, shared_parameters, solve
 
 if TYPE_CHECKING:
-    from lightning_gpipe.pipe.run.executor import Checkpoint
+    from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
-# How many actions solve_chunks may simulate in all (a few seconds): every split when they fit, else a search.
+# How many actions solve_virtual_stages may simulate in all (a few seconds): every split when they fit, else a search.
 SIMULATED_ACTIONS = 200_000
-# What solve_chunks' model of a step cannot tell apart (each chunk's F : B : R fixed at 1 : 2 : 1 on costs that are
-# themselves estimates): a split replaces solve's only when it simulates shorter by more than this share.
+# What solve_virtual_stages' model of a step cannot tell apart (each chunk's F : B : R fixed at 1 : 2 : 1 on costs that
+# are themselves estimates): a split replaces solve's only when it simulates shorter by more than this share.
 SIMULATION_TOLERANCE = 0.02
 
 
@@ -32,7 +32,7 @@ def held_stages(rank: int, K: int, v: int) -> list[int]:
 
 
 def rank_holders(stages: Sequence[int], K: int) -> tuple[int, ...]:
-    """The ranks that hold ``stages`` (of vK): a weight tied across two chunks of one rank is one parameter there."""
+    """The ranks that hold ``stages`` (of vK): a weight tied across two stages of one rank is one parameter there."""
     return tuple(sorted({s % K for s in stages}))
 
 
@@ -52,34 +52,34 @@ def check_virtual_stages(v: object, K: int) -> int:
     """``virtual_stages`` as an int ≥ 1, or a clear ValueError (also for v ≥ 2 on a pipeline of one rank)."""
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(
-            f"virtual_stages (v, the chunks each rank holds) must be an int ≥ 1, got {v!r}; 1 runs one contiguous "
+            f"virtual_stages (v, the stages each rank holds) must be an int ≥ 1, got {v!r}; 1 runs one contiguous "
             "stage per rank, v ≥ 2 interleaves (schedule='interleaved-1f1b')"
         )
     if v > 1 and K == 1:
         raise ValueError(
-            f"virtual_stages={v} interleaves chunks over the ranks of a pipeline, but this pipeline has one rank "
+            f"virtual_stages={v} interleaves stages over the ranks of a pipeline, but this pipeline has one rank "
             "(torch.distributed is not initialized, or the group has one rank): there is no bubble to shrink; use "
             "virtual_stages=1"
         )
     return v
 
 
-def solve_chunks(
+def solve_virtual_stages(
     costs: Sequence[float], K: int, v: int, M: int, checkpoint: Checkpoint, schedule: str = "interleaved-1f1b"
 ) -> list[int]:
-    """The layer counts of the vK chunks (v = 1: the K stages) whose step under ``schedule``, simulated, is
+    """The layer counts of the vK virtual stages (v = 1: the K stages) whose step under ``schedule``, simulated, is
     shortest, with the loss inside the pipeline (the last stage runs each micro-batch's backward after its forward).
 
-    Each rank runs all its chunks, so what bounds the step is each rank's chunks together, and the cheapest
-    costliest chunk (``solve``) may load one rank more than another: with few layers per chunk, the rounding of each
-    chunk adds up on a rank. With one chunk per rank, which stage is the heavier matters too: a last stage heavier by
-    some time stalls the backwards of the stages before it, a first one by as much mostly itself (two such cuts of
+    Each rank runs all its virtual stages, so what bounds the step is each rank's virtual stages together, and the
+    cheapest costliest chunk (``solve``) may load one rank more than another: with few layers per chunk, the rounding of
+    each chunk adds up on a rank. With one chunk per rank, which stage is the heavier matters too: a last stage heavier
+    by some time stalls the backwards of the stages before it, a first one by as much mostly itself (two such cuts of
     the benchmarks' Transformer: benchmarks/README.md, "Where the time goes"). A chunk holding layers of
     cost c is simulated as F = c/3, B = 2c/3 (I = W = c/3 where the schedule splits B) and, before the backward of
     a micro-batch whose graph was dropped (``schedules.keeps_graph``), R = F (``simulated_step``). Every split is
     simulated when they fit in ``SIMULATED_ACTIONS``; otherwise, within it, runs of consecutive chunk boundaries are
-    shifted together from ``solve``'s split while the step shortens (moving layers between two chunks of a rank
-    through the chunks between them leaves those as they are). Within ``SIMULATION_TOLERANCE`` of ``solve``'s split,
+    shifted together from ``solve``'s split while the step shortens (moving layers between two virtual stages of a
+    rank through those between them leaves those as they are). Within ``SIMULATION_TOLERANCE`` of ``solve``'s split,
     which the model cannot tell apart from it, ``solve``'s stays (on the README's main command, FLOPs put the two
     cuts nearest the middle within 0.1 % of each other, where the one solve chose ran a third faster).
     """
@@ -131,7 +131,7 @@ def simulated_step(
     checkpoint: Checkpoint,
     schedule: str = "interleaved-1f1b",
 ) -> float:
-    """The step ``solve_chunks`` weighs for the split ``counts``, in the costs' unit."""
+    """The step ``solve_virtual_stages`` weighs for the split ``counts``, in the costs' unit."""
     actions = _admitted_actions(K, M, v, schedule)
     return simulate(actions, K, v, _chunk_costs(costs, counts, K), checkpoint=checkpoint).makespan
 
@@ -157,7 +157,7 @@ def _admitted_actions(K: int, M: int, v: int, schedule: str) -> list[list[Action
     raise AssertionError(f"{schedule} admits M = 1")
 
 
-def agree_on_chunks(
+def agree_on_virtual_stages(
     module: nn.Sequential,
     K: int,
     v: int,
@@ -167,11 +167,11 @@ def agree_on_chunks(
     M: int = 8,
     checkpoint: Checkpoint = "except_last",
 ) -> list[int]:
-    """The layer counts of the vK stages (chunks), the same on every rank (see ``agree_on_balance``); with v ≥ 2, a
-    balance solved from costs is the split with the shortest simulated step (``solve_chunks``)."""
+    """The layer counts of the vK stages (virtual stages), the same on every rank (see ``agree_on_balance``); with v ≥
+    2, a balance solved from costs is the split with the shortest simulated step (``solve_virtual_stages``)."""
 
     def interleaved(costs: Sequence[float], S: int) -> list[int]:
-        return solve_chunks(costs, K, v, M, checkpoint)
+        return solve_virtual_stages(costs, K, v, M, checkpoint)
 
     try:
         return agree_on_balance(
@@ -181,8 +181,8 @@ def agree_on_chunks(
         if v == 1:
             raise
         raise ValueError(
-            f"{e} (virtual_stages={v}: the pipeline's stages are its K·v = {K}·{v} = {K * v} chunks, rank r holding "
-            f"chunks r, r + {K}, …; a balance gives one layer count per chunk)"
+            f"{e} (virtual_stages={v}: the pipeline's stages are its K·v = {K}·{v} = {K * v} virtual stages, rank r "
+            f"holding stages r, r + {K}, …; a balance gives one layer count per virtual stage)"
         ) from e
 
 

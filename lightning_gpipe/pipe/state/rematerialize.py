@@ -7,8 +7,14 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
+
+# Which micro-batches keep their graph: none (``always`` recompute), all but those whose backward follows their
+# forward at once (``except_last``), or all (``never``).
+Checkpoint = Literal["always", "except_last", "never"]
+CHECKPOINT_MODES: tuple[Checkpoint, ...] = get_args(Checkpoint)
 
 _local = threading.local()
 

@@ -36,7 +36,7 @@ class Event:
     start_ns: int
     end_ns: int
     label: str = ""
-    chunk: int = -1  # with several chunks per rank (interleaving), the rank's chunk (0: a, 1: b, …); else -1
+    chunk: int = -1  # with several virtual stages per rank (interleaving), the rank's chunk (0: a, 1: b, …); else -1
 
     @property
     def name(self) -> str:

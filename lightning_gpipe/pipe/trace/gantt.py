@@ -91,8 +91,8 @@ def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str =
 
 
 def _interleaved(stats: dict) -> str:
-    """With v chunks per rank, the interleaved schedule's own bubble beside GPipe's."""
+    """With v virtual stages per rank, the interleaved schedule's own bubble beside GPipe's."""
     v = stats.get("chunks_per_rank", 1)
     if v <= 1:
         return ""
-    return f", {100 * theoretical_bubble(stats['K'], stats['M'], v):.1f}% with v={v} chunks: (K−1)/(vM+K−1)"
+    return f", {100 * theoretical_bubble(stats['K'], stats['M'], v):.1f}% with v={v} virtual stages: (K−1)/(vM+K−1)"

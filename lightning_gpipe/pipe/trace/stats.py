@@ -12,7 +12,7 @@ PARTS = tuple(kind for kind in KINDS if kind != "step")
 
 
 def theoretical_bubble(K: int, M: int, v: int = 1) -> float:
-    """GPipe's idle fraction (K−1)/(M+K−1) when every unit of work costs the same; with v chunks per rank
+    """GPipe's idle fraction (K−1)/(M+K−1) when every unit of work costs the same; with v virtual stages per rank
     (interleaving, each unit 1/v as long), (K−1)/(vM+K−1)."""
     return (K - 1) / (v * M + K - 1)
 
@@ -35,8 +35,8 @@ def _phase_of(e: Event, phases: list[Event]) -> str:
 
 def _sender(e: Event, K: int) -> tuple[int, int]:
     """The rank and chunk that sent what receive-wait ``e`` waited for: a gradient (label ``"gradient"``) comes
-    from the next stage, an input from the previous one; with chunks (interleaving) across the ring's seam, from the
-    neighbouring chunk (rank K − 1's chunk c feeds rank 0's chunk c + 1)."""
+    from the next stage, an input from the previous one; with virtual stages (interleaving) across the ring's seam, from
+    the neighbouring chunk (rank K − 1's chunk c feeds rank 0's chunk c + 1)."""
     if e.label == "gradient":
         return (e.stage + 1, e.chunk) if e.stage + 1 < K else (0, e.chunk + 1)
     return (e.stage - 1, e.chunk) if e.stage > 0 else (K - 1, e.chunk - 1)

@@ -27,14 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.dp.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
-from lightning_gpipe.strategy._micro_batch_logs import (
+from lightning_gpipe.strategy._pipeline_loss_logs import (
     LogRecorder,
     absorb,
     check_split_invariance,
@@ -46,11 +46,6 @@ from lightning_gpipe.strategy._rank_pipeline import EarlyReduction
 from lightning_gpipe.strategy._step_results import LazyOutput, real_leaves
 
 HOOK, DENOMINATOR = "pipeline_loss", "pipeline_loss_denominator"
-OLD_DENOMINATOR = "pipeline_loss_count"  # its name before 0.1.0; read, with a deprecation warning, until 0.2
-
-
-def _denominator(module: Any) -> Callable[..., Any] | None:
-    return getattr(module, DENOMINATOR, None) or getattr(module, OLD_DENOMINATOR, None)
 
 
 def _misuse(what: str) -> TypeError:
@@ -97,7 +92,7 @@ class PipelineOutput:
         raise _misuse("tested for truth")
 
 
-class MicroBatchLoss:
+class PipelineLoss:
     """Runs one training step's ``pipeline_loss`` inside the pipeline and keeps its gradients for ``backward``."""
 
     def __init__(
@@ -274,7 +269,7 @@ class MicroBatchLoss:
         module, hook, input, args, kwargs = call.module, call.hook, call.input, call.args, call.kwargs
         sizes = micro_batch_sizes(batch_size(input, self.batch_dim), self.stage.chunks)
         pieces = split_by_sizes((args, kwargs), sizes, self.batch_dim)
-        count = _denominator(module)
+        count = getattr(module, DENOMINATOR, None)
         if count is not None:
             total, *counts = host_floats([count(*args, **kwargs), *(count(*a, **k) for a, k in pieces)])
             weights = [c / total if total else 0.0 for c in counts]
@@ -320,7 +315,7 @@ class MicroBatchLoss:
             return {"error": f"{type(e).__name__}: {e}"}
 
     @classmethod
-    def choose(cls, module: Any, setting: Any, *args: Any) -> MicroBatchLoss | None:
+    def choose(cls, module: Any, setting: Any, *args: Any) -> PipelineLoss | None:
         """This path (``args`` as for the constructor) when ``setting`` is True, or "auto" and the module defines
         ``pipeline_loss``; else None."""
         defined = callable(getattr(module, HOOK, None))
@@ -331,11 +326,6 @@ class MicroBatchLoss:
                 "pipeline_loss='auto'"
             )
         inside = defined and setting is not False
-        if inside and callable(getattr(module, OLD_DENOMINATOR, None)) and not hasattr(module, DENOMINATOR):
-            rank_zero_deprecation(
-                f"{type(module).__name__}.{OLD_DENOMINATOR} is renamed {DENOMINATOR} (what the loss of a batch is a "
-                "mean over); the old name stops working in 0.2"
-            )
         schedule = args[1]
         if not inside and schedule != "gpipe":
             why = "pipeline_loss=False" if defined else f"{type(module).__name__} defines no pipeline_loss"
