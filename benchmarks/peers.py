@@ -39,7 +39,7 @@ from benchmarks._lib.peers_variable import (  # variable lengths, and the probes
 )
 from lightning_gpipe.pipe import GPipeStage
 
-# The encoder stack's sizes (workloads' module globals, engine_speed.py's), and a small one for --smoke.
+# The encoder stack's sizes (workloads' module globals, studies/engine_speed.py's), and a small one for --smoke.
 FULL = {k: getattr(wl, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH", "SEQ")}
 SMOKE = wl.SMOKE_ENCODER
 LENGTHS, SMOKE_LENGTHS = [16, 32, 24, 40, 8, 48, 32, 16, 56, 24], [8, 16, 4, 12]

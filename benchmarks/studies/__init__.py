@@ -1,1 +1,1 @@
-"""One-off comparisons that decided a design, kept runnable: python -m benchmarks.studies.<name> (benchmarks/README.md)."""
+"""One-off comparisons that decided a design, kept runnable: python -m benchmarks.studies.<name>."""

@@ -1,6 +1,7 @@
 """Time the GPipe engine on 8 Transformer encoder layers at K=1 and K=2, against torch.distributed.pipelining."""
 
-# What it runs and how it times: benchmarks/README.md. Run it from the repo root: python -m benchmarks.engine_speed
+# What it runs and how it times: benchmarks/results/engine_speed/README.md. Run it from the repo root:
+# python -m benchmarks.studies.engine_speed
 
 from __future__ import annotations
 
@@ -288,7 +289,7 @@ def main() -> None:
     print(f"# total {total:.0f} s")
 
     result = {
-        "command": report.command_line("engine_speed"),
+        "command": report.command_line("studies.engine_speed"),
         "environment": info,
         "engine_commit_after": commit_after,
         "machine_check": {**probes, **background},

@@ -1,7 +1,7 @@
 """Cost of giving every stage the pipeline's output (output="all") vs zeros of its shape ("placeholder"), at K=2."""
 
 # A large-vocabulary head: the output is N × T × V logits, which "all" sends from the last stage to every other one.
-# Run from the repo root: python -m benchmarks.output_modes [--vocab 32000] [--smoke] [--out-dir DIR]
+# Run from the repo root: python -m benchmarks.studies.output_modes [--vocab 32000] [--smoke] [--out-dir DIR]
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def main() -> None:
     print(
         f"step time all / loss: {ratio:.3f} (loss: first step {raw['first']['all']:.6f} vs {raw['first']['loss']:.6f})"
     )
-    command = report.command_line("output_modes")
+    command = report.command_line("studies.output_modes")
     out = {"command": command, "environment": info, "vocab": args.vocab, "output_mib": output_mb, "rows": rows}
     out |= {"all_over_loss": ratio, "first_loss": raw["first"]}
     md = [f"# output='all' vs 'placeholder' at K=2: the pipeline's output ({output_mb:.1f} MiB) to every stage", ""]

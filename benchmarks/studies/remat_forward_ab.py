@@ -3,8 +3,8 @@
 # rematerialize.first_forward takes the second on accelerators (the same kernels as the recompute) and the first on
 # the CPU. This measures what the second would cost on the CPU: peers.py's model (8 Transformer encoder layers, d 256,
 # batch 64 × 32), K = 2, M = 8, stage.forward_backward under each schedule, the two forwards alternating step by step in
-# the same two processes. `python -m benchmarks.remat_forward_ab` (about 3 min on 2 cores; `--smoke`: a small stack,
-# seconds; `--out-dir DIR`); results in benchmarks/README.md.
+# the same two processes. `python -m benchmarks.studies.remat_forward_ab` (about 3 min on 2 cores; `--smoke`: a small
+# stack, seconds; `--out-dir DIR`); results in benchmarks/results/remat_forward_ab/README.md.
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def main() -> None:
             f"{schedule}: median step {row['no_grad_ms']:.0f} ms (no_grad), {rows[-1]['grad_mode_ms']:.0f} ms "
             f"(grad mode, nothing saved); median of the {len(now)} paired step ratios {paired:.3f}"
         )
-    command = report.command_line("remat_forward_ab")
+    command = report.command_line("studies.remat_forward_ab")
     md = ["# A checkpointed forward, no_grad vs grad mode with nothing saved: forward_backward at K = 2", ""]
     md += [*report.environment_lines(env), f"- Command: `{command}`"]
     shape = ", ".join(f"{k} {v}" for k, v in size.items())

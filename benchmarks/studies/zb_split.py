@@ -7,9 +7,10 @@
 # whose W pays for the split, ``weight_grad.split_pays``); and every op split. Gradients accumulate as in
 # micro-batches 1 … M−1 of a step.
 # Profiled rounds of each, alternating, give the matrix products' time (aten::mm, the convolutions' backward): the
-# same products, in I and W or in B. `python -m benchmarks.zb_split` (about 2 min on 2 cores; `--smoke`: small
+# same products, in I and W or in B. `python -m benchmarks.studies.zb_split` (about 2 min on 2 cores; `--smoke`: small
 # models, seconds; `--out-dir DIR`; `--device cuda`: the passes on a GPU, each part timed between synchronizations,
-# the products not profiled; `--set d_model=1024 ...`: the models' sizes changed); results in benchmarks/README.md.
+# the products not profiled; `--set d_model=1024 ...`: the models' sizes changed); results in
+# benchmarks/results/zb_split/README.md.
 
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ def main() -> None:
             f"every op split: {row['every_F']:.1f} + {row['every_I']:.1f} + {row['every_W']:.1f} ms, paired "
             f"{row['every_paired']:.3f}"
         )
-    command = report.command_line("zb_split")
+    command = report.command_line("studies.zb_split")
     md = ["# zb-h1's split on the last stage: one micro-batch, F + B vs F + I + W", ""]
     md += [*report.environment_lines(env), f"- Device of the passes: {device}; command: `{command}`"]
     md += [f"- Sizes: {'; '.join(row['sizes'] for row in rows)}"]

@@ -1,4 +1,5 @@
-"""Every benchmark runs end to end as ``python -m benchmarks.<name> --smoke`` and writes its results files."""
+"""Every benchmark runs end to end as ``python -m benchmarks.<name> --smoke`` and writes its results files (the studies:
+``python -m benchmarks.studies.<name>``)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,26 @@ import pytest
 from tests.helpers import ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
-# The entry points (``python -m benchmarks.<name>``) sit in benchmarks/, everything they share in benchmarks/_lib/.
-ENTRY_POINTS = sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem != "__init__")
+# The entry points (``python -m benchmarks.<name>``) sit in benchmarks/, the one-off studies in benchmarks/studies/
+# (``python -m benchmarks.studies.<name>``), everything they share in benchmarks/_lib/.
+ENTRY_POINTS = sorted(
+    [p.stem for p in BENCHMARKS.glob("*.py") if p.stem != "__init__"]
+    + [f"studies.{p.stem}" for p in (BENCHMARKS / "studies").glob("*.py") if p.stem != "__init__"]
+)
 SUPPORT = sorted(f"_lib.{p.stem}" for p in (BENCHMARKS / "_lib").glob("*.py") if p.stem != "__init__")
 # Entry points the suite does not smoke-run, and why (each but report has --smoke, checked below).
 NOT_RUN = {
     "report": "it redraws stored figures and measures nothing (tests/benchmarks/test_figures.py runs it)",
     # Each --smoke takes 45-70 s on the shared 2-core VM (a worker imports Lightning; 2 or 3 launches): past the
     # suite's budget for another benchmark (about 15 s; dp_cost_model, 20 s, is the cheapest run, as partition).
-    "engine_speed": "python -m benchmarks.engine_speed --smoke --out-dir DIR: 61 s",
-    "output_modes": "python -m benchmarks.output_modes --smoke --out-dir DIR: 45 s",
-    "remat_forward_ab": "python -m benchmarks.remat_forward_ab --smoke --out-dir DIR: 67 s",
+    "studies.engine_speed": "python -m benchmarks.studies.engine_speed --smoke --out-dir DIR: 61 s",
+    "studies.output_modes": "python -m benchmarks.studies.output_modes --smoke --out-dir DIR: 45 s",
+    "studies.remat_forward_ab": "python -m benchmarks.studies.remat_forward_ab --smoke --out-dir DIR: 67 s",
 }
 # Entry points smoke-run once, by a test of their own below that also checks what they measured.
 SMOKE_RUN_BY_OWN_TEST = {
     "peers_hf": "test_peers_hf_sets_a_huggingface_llama_beside_torchs_schedules",
-    "interleaved_split": "test_interleaved_split_compares_the_two_cuts_side_by_side",
+    "studies.interleaved_split": "test_interleaved_split_compares_the_two_cuts_side_by_side",
 }
 SMOKE_RUNS = [
     "throughput",
@@ -45,7 +50,7 @@ SMOKE_RUNS = [
     "schedules",
     "peers_schedules",
     "skips",
-    "zb_split",
+    "studies.zb_split",
 ]
 
 
@@ -61,19 +66,20 @@ def test_benchmark_smoke_run_writes_json_markdown_and_plot(name: str, tmp_path: 
         timeout=220,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads((tmp_path / f"{name}.json").read_text())
+    stem = name.rpartition(".")[2]  # a study writes its results under its own name, as a benchmark does
+    data = json.loads((tmp_path / f"{stem}.json").read_text())
     assert data["environment"]["torch"]
     assert data["command"].startswith(f"python -m benchmarks.{name} --smoke")
-    assert (tmp_path / f"{name}.md").read_text().startswith("#")
+    assert (tmp_path / f"{stem}.md").read_text().startswith("#")
     if hasattr(importlib.import_module(f"benchmarks.{name}"), "plot"):  # the benchmarks that draw a figure
-        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_every_entry_point_has_a_smoke_run() -> None:
     assert sorted(SMOKE_RUNS + list(NOT_RUN) + list(SMOKE_RUN_BY_OWN_TEST)) == ENTRY_POINTS
     assert all(test in globals() for test in SMOKE_RUN_BY_OWN_TEST.values())
     for name in set(ENTRY_POINTS) - {"report"}:
-        assert '"--smoke"' in (BENCHMARKS / f"{name}.py").read_text(), name
+        assert '"--smoke"' in (BENCHMARKS / f"{name.replace('.', '/')}.py").read_text(), name
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS + SUPPORT)
@@ -129,7 +135,7 @@ def test_no_import_circle_and_support_modules_apart_from_entry_points() -> None:
     graph = import_graph(BENCHMARKS)
     assert cycles({m: deps for m, (deps, _) in graph.items()}) == []
     for module, (deps, main) in graph.items():
-        support = module.startswith("benchmarks._lib") or module == "benchmarks"
+        support = module.startswith("benchmarks._lib") or module in ("benchmarks", "benchmarks.studies")
         # Entry points run as scripts and import only the support modules; those never run and never import back.
         assert main != support, (module, "runs as a script" if main else "does not run as a script")
         assert all(d.startswith("benchmarks._lib") for d in deps), (module, deps)
@@ -233,7 +239,7 @@ def test_peers_hf_sets_a_huggingface_llama_beside_torchs_schedules(tmp_path: Pat
 @pytest.mark.timeout(160)
 def test_interleaved_split_compares_the_two_cuts_side_by_side(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.interleaved_split", "--smoke", "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.studies.interleaved_split", "--smoke", "--out-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
