@@ -1,14 +1,16 @@
-"""Interleaving's split: the cheapest costliest chunk (``solve``) vs the shortest simulated step (``solve_chunks``)."""
+"""Interleaving's split: the cheapest costliest virtual stage (``solve``) vs the shortest simulated step."""
 
 # What it runs: the overhead benchmark's AmoebaNet-D and Transformer (_lib/workloads.py) at K = 2 (gloo on
-# 127.0.0.1, one thread per process), interleaved-1f1b with v = 2 chunks per rank, M = 8, checkpoint "except_last",
-# the loss per micro-batch on the last stage. Two stages of the same model, cut from the same per-layer times
-# (profiled once, as balance="time" does): "per-chunk", solve(costs, 2K, 0.75), the split before solve_chunks (each
-# chunk as cheap as possible, the last one weighed × 0.75 as it does not recompute), and "simulated",
-# chunks.solve_chunks (the split whose simulated interleaved step is shortest: each rank's chunks together). They
-# alternate step by step in the same processes (forward + backward, no update); a step's ratio is taken against the
-# other split's step of the same round, which cancels this VM's drift. Run from the repo root:
-#   python -m benchmarks.interleaved_split      (--smoke: tiny models, a few steps)
+# 127.0.0.1, one thread per process), interleaved-1f1b with v = 2 virtual stages per rank, M = 8, checkpoint
+# "except_last", the loss per micro-batch on the last stage. Two stages of the same model, cut from the same per-layer
+# times (profiled once, as balance="time" does): "per-chunk", solve(costs, 2K, 0.75), the split before
+# solve_virtual_stages (each virtual stage as cheap as possible, the last one weighed × 0.75 as it does not
+# recompute), and "simulated", virtual_stages.solve_virtual_stages (the split whose simulated interleaved step is
+# shortest: each rank's virtual stages together). They alternate step by step in the same processes (forward +
+# backward, no update); a step's ratio is taken against the other split's step of the same round, which cancels this
+# VM's drift. Run from the repo root:
+#   python -m benchmarks.studies.interleaved_split      (--smoke: tiny models, a few steps)
+# Results: benchmarks/results/interleaved_split/README.md.
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from benchmarks._lib import report
 from benchmarks._lib.machine import Timing, add_timing_args, launch, measure, paired_ratio, stats, wait_quiet, zeroed
 from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, balances, build, loss_fn, make_batch, per_micro_batch
 from lightning_gpipe.pipe import GPipeStage, solve
-from lightning_gpipe.pipe.split.virtual_stages import simulated_step, solve_chunks
+from lightning_gpipe.pipe.split.virtual_stages import simulated_step, solve_virtual_stages
 
 K, V, M = 2, 2, 8
 SPLITS = ("per-chunk", "simulated")
@@ -68,7 +70,7 @@ def main() -> None:
     models: dict[str, Any] = {}
     for name in args.models:
         costs = balances(name, sizes[name], [K], "time")["layer_costs_ms"]
-        cut = {"per-chunk": solve(costs, V * K, 0.75), "simulated": solve_chunks(costs, K, V, M, "except_last")}
+        cut = {"per-chunk": solve(costs, V * K, 0.75), "simulated": solve_virtual_stages(costs, K, V, M, "except_last")}
         models[name] = {"sizes": sizes[name], "costs_ms": costs, **cut}
     waited = wait_quiet(args.wait_quiet, args.clean_threshold)
     raw = launch(run_job, K, {"models": models, "timing": timing})
@@ -98,11 +100,13 @@ def main() -> None:
             "step. Both splits from the same per-layer times (forward + backward of each layer alone on one "
             "micro-batch, as balance='time' measures them).",
             report.markdown_table(rows, report.columns(COLS)),
-            f"Command: `{report.command_line('interleaved_split')}`",
+            f"Command: `{report.command_line('studies.interleaved_split')}`",
         ]
     )
     print(md)
-    data: dict[str, Any] = dict(command=report.command_line("interleaved_split"), environment=env, models=models)
+    data: dict[str, Any] = dict(
+        command=report.command_line("studies.interleaved_split"), environment=env, models=models
+    )
     data.update(timing=vars(timing), rows=rows, raw=raw, total_s=total)
     paths = report.write("interleaved_split", data, md, out_dir=args.out_dir)
     print(f"# wrote {', '.join(paths.values())}")
