@@ -34,6 +34,7 @@ from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.dp.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
+from lightning_gpipe.pipe.run.loss_inside import check_scalar_loss
 from lightning_gpipe.strategy._pipeline_loss_logs import (
     LogRecorder,
     absorb,
@@ -46,6 +47,20 @@ from lightning_gpipe.strategy._rank_pipeline import EarlyReduction
 from lightning_gpipe.strategy._step_results import LazyOutput, real_leaves
 
 HOOK, DENOMINATOR = "pipeline_loss", "pipeline_loss_denominator"
+
+
+@contextmanager
+def _standing_in(
+    stage: GPipeStage, forward: Callable[..., Any], module: Any, loss: Callable[..., Tensor]
+) -> Iterator[None]:
+    """``forward`` stands in for the stage's and ``loss`` for the module's ``pipeline_loss`` while the step runs."""
+    stage.forward = forward  # type: ignore[method-assign]
+    module.pipeline_loss = loss
+    try:
+        yield
+    finally:
+        del stage.forward
+        del module.pipeline_loss
 
 
 def _misuse(what: str) -> TypeError:
@@ -147,15 +162,10 @@ class PipelineLoss:
             consumed.append(True)
             return self._run(_Call(module, hook, output.input, args, kwargs, accumulate, scale), reduction)
 
-        stage.forward = capture  # type: ignore[method-assign]
-        module.pipeline_loss = pipeline_loss
-        try:
+        with _standing_in(stage, capture, module, pipeline_loss):
             yield
             if self._output is not None and not consumed:
                 raise _misuse("never passed to self.pipeline_loss")
-        finally:
-            del stage.forward
-            del module.pipeline_loss
 
     @contextmanager
     def evaluation_step(self, module: Any) -> Iterator[None]:
@@ -190,15 +200,12 @@ class PipelineLoss:
             output, args, kwargs = real_leaves((output, args, kwargs))
             return hook(output, *args, **kwargs)
 
-        stage.forward = capture  # type: ignore[method-assign]
-        module.pipeline_loss = pipeline_loss
-        try:
-            yield
-        finally:
-            del stage.forward
-            del module.pipeline_loss
-            for lazy in made:
-                lazy.sealed = True
+        with _standing_in(stage, capture, module, pipeline_loss):
+            try:
+                yield
+            finally:
+                for lazy in made:
+                    lazy.sealed = True
         for lazy in made:  # unused, or returned: computed now on every rank, as before, not later on one rank only
             if not lazy.taken:
                 lazy.real()
@@ -210,18 +217,12 @@ class PipelineLoss:
         payload: dict[str, Any] = {}
         if stage.is_last:
             recorder, increments = LogRecorder(module), {}  # type: ignore[var-annotated]
-            real_log, real_log_dict = module.log, module.log_dict
-            module.log, module.log_dict = recorder.log, recorder.log_dict
             try:
-                with step_only_metrics(module, increments):
-                    loss = hook(output, *args, **kwargs)
-                if not isinstance(loss, Tensor) or loss.numel() != 1:
-                    raise TypeError(f"pipeline_loss must return a scalar tensor, got {type(loss).__name__}")
+                with recorder.recording(), step_only_metrics(module, increments):
+                    loss = check_scalar_loss(hook(output, *args, **kwargs), "pipeline_loss")
                 payload = {"loss": loss.detach().cpu(), "logs": recorder.logs(1), "metrics": increments}
             except Exception as e:  # the other stages wait for this broadcast: they must learn why it failed
                 payload = {"error": f"{type(e).__name__}: {e}"}
-            finally:
-                module.log, module.log_dict = real_log, real_log_dict
         return self._share(module, payload, device, "in pipeline_loss")["loss"].to(device)
 
     def _share(self, module: Any, payload: dict[str, Any], device: torch.device, when: str) -> dict[str, Any]:
@@ -280,20 +281,14 @@ class PipelineLoss:
         epoch = module.trainer.current_epoch
         check, kept = len(sizes) >= 2 and epoch != self.checked_epoch, []
         self.checked_epoch = epoch
-        real_log, real_log_dict = module.log, module.log_dict
 
         def loss_fn(y: Any, m: int) -> Tensor:
             a, k = pieces[m]
             if check and m < 2:
                 kept.append(tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, y))
             recorder.weight = weights[m]
-            module.log, module.log_dict = recorder.log, recorder.log_dict
-            try:
-                loss = hook(y, *a, **k)
-            finally:
-                module.log, module.log_dict = real_log, real_log_dict
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError(f"pipeline_loss must return a scalar tensor, got {type(loss).__name__}")
+            with recorder.recording():
+                loss = check_scalar_loss(hook(y, *a, **k), "pipeline_loss")
             dtypes.append(loss.dtype)
             if weights[m] == 0.0:  # nothing of the loss in this micro-batch (all padding): 0/0 must not reach .grad
                 return torch.zeros((), device=loss.device)

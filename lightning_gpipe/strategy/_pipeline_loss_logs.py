@@ -68,7 +68,19 @@ class LogRecorder:
     def __init__(self, module: nn.Module) -> None:
         self.keys: dict[str, _Key] = {}
         self.weight = 1.0
+        self._module = module
         self._metric_paths = {id(m): name for name, m in module.named_modules()}
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """The module's ``self.log`` and ``self.log_dict`` are this recorder's while the block runs."""
+        module: Any = self._module
+        real_log, real_log_dict = module.log, module.log_dict
+        module.log, module.log_dict = self.log, self.log_dict
+        try:
+            yield
+        finally:
+            module.log, module.log_dict = real_log, real_log_dict
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
@@ -216,16 +228,12 @@ def _values(module: Any, hook: Hook, count: Count, outputs: list[Any], pieces: P
         weights = [float(batch_size(o, batch_dim)) for o in outputs]
     total = sum(weights)
     recorder, loss = LogRecorder(module), 0.0
-    real_log, real_log_dict = module.log, module.log_dict
-    module.log, module.log_dict = recorder.log, recorder.log_dict
-    try:
+    with recorder.recording():
         for out, (a, k), w in zip(outputs, pieces, weights):
             recorder.weight = w / total if total else 0.0
             value = float(hook(out, *a, **k))
             if recorder.weight:
                 loss += recorder.weight * value
-    finally:
-        module.log, module.log_dict = real_log, real_log_dict
     logged = {f"the logged {name!r}": v for name, v, _ in recorder.combined(len(pieces)) if isinstance(v, float)}
     return {"the loss": loss, **logged}
 

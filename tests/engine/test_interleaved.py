@@ -293,7 +293,7 @@ def test_bad_interleaving_arguments_fail_on_every_rank_with_the_fix() -> None:
     for rank, got in enumerate(run_distributed(errors_worker, 2, timeout=50)):
         counts, zero, other, one, five, short = got
         assert "balance [4, 4] has 2 entries but there are 4 stages" in counts, (rank, counts)
-        assert "virtual_stages=2: the pipeline's stages are its K·v = 2·2 = 4 chunks" in counts, (rank, counts)
+        assert "virtual_stages=2: the pipeline's stages are its K·v = 2·2 = 4 virtual stages" in counts, (rank, counts)
         assert "virtual_stages (v, the stages each rank holds) must be an int ≥ 1, got 0" in zero, (rank, zero)
         assert (
             "schedule '1f1b' takes v = 1 virtual stages per rank, got v = 2; with several virtual stages per rank use "

@@ -1,12 +1,8 @@
 """The executor: one stage's (one chunk's) forward, recompute and backward of a micro-batch, and its halves.
 
 ``pipe/run/loss_outside.py`` runs it in GPipe's fill/drain phases (the loss outside the pipeline, drawn there), and
-``pipe/run/loss_inside.py`` by a schedule's actions (the loss inside). A micro-batch whose graph is dropped keeps
-only its input (the stage boundary): on an accelerator its forward runs in the recompute's grad mode with nothing
-saved, so that both choose the same kernels, on the CPU without autograd (``rematerialize.first_forward``); its
-backward first re-runs it from that input. Re-materialization modes: ``always`` drops every graph; ``except_last``
-(default) keeps the graph of a micro-batch whose backward follows its forward at once; ``never`` keeps every graph
-(fastest, most memory).
+``pipe/run/loss_inside.py`` by a schedule's actions (the loss inside). What a micro-batch whose graph is dropped
+keeps, and the re-materialization modes: ``pipe/state/rematerialize.py``.
 """
 
 from __future__ import annotations
@@ -41,6 +37,24 @@ class RunLayers(Protocol):
     """Runs a stage's layers on one micro-batch, their randomness seeded by ``seed``; ``copy``: on a copy of ``x``."""
 
     def __call__(self, x: Any, seed: int, copy: bool = True) -> Any: ...
+
+
+def settle(first: Executor, where: list[Any], drained: Callable[[], None] | None = None, status: bool = True) -> None:
+    """The end of a phase, inside its failure scope: no micro-batch in work any more, this rank's own work done
+    (``drained``), then every stage learns how the phase ended on all of them (``status``: unless the shared output
+    told already)."""
+    where[:] = None, None
+    if drained is not None:
+        drained()
+    if status and first.links is not None:
+        with first.timeline.record("status"):
+            first.links.check_status()
+
+
+def wait_sends(first: Executor) -> None:
+    """After a phase: its sends received, so that their buffers may be reused or freed."""
+    if first.links is not None:
+        first.links.transport.wait_sends()
 
 
 Pairs = list[tuple[torch.Tensor, Any]]

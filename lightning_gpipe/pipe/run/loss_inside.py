@@ -11,11 +11,9 @@ under NCCL's ordering rules.
 
 Each stage runs its actions in order. Sends never block the host; a forward waits for its input and a backward for
 its output gradient (posted before the recompute, which fills the wait, as in the fill/drain schedule).
-Re-materialization ``except_last`` generalizes to: keep the graph of micro-batch m when its backward is the next
-action after its forward (recomputing it would only delay that backward) -- every micro-batch on the last stage,
-which therefore holds one micro-batch's output at a time (under "zb-h1" the I is that backward: a recompute serves
-both halves, as W needs only what I kept). Deferred BatchNorm statistics are committed after each chunk's last
-forward.
+Under ``except_last`` (``pipe/state/rematerialize.py``) the last stage keeps every micro-batch's graph and so holds
+one micro-batch's output at a time (under "zb-h1" the I is that backward: a recompute serves both halves, as W needs
+only what I kept). Deferred BatchNorm statistics are committed after each virtual stage's last forward.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from typing import Any
 import torch
 
 from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_leaves
-from lightning_gpipe.pipe.run.executor import Executor, Pairs
+from lightning_gpipe.pipe.run.executor import Executor, Pairs, settle, wait_sends
 from lightning_gpipe.pipe.run.records import Step
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
 from lightning_gpipe.pipe.schedule.registry import Action, ScheduleName, fuse_halves, keeps_graph, lookup
@@ -89,9 +87,7 @@ def forward_backward(
         def roots(y: Any, marks: list[bool], m: int) -> Pairs:
             with first.timeline.record("loss", m):
                 loss = loss_fn(y, m)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"the loss of micro-batch {m} must be a scalar tensor, got {_describe(loss)}")
-            losses.append(loss.detach())
+            losses.append(check_scalar_loss(loss, f"the loss of micro-batch {m}").detach())
             return [(loss, None)] if loss.requires_grad else []
 
         pos, hooks = 0, contextlib.ExitStack()
@@ -130,20 +126,16 @@ def forward_backward(
                     else:
                         s.backward_micro(step, m, input_grads, partial(roots, m=m), weights[c])
                 pos += 1
-        where[:] = None, None
         if first.is_first and steps[0].input_leaves:
             torch.autograd.backward(steps[0].input_leaves, join_input_grads(input_grads, first.batch_dim))
-        if drained is not None:
-            drained()
-        if first.links is not None:
-            with first.timeline.record("status"):
-                first.links.check_status()
-    if first.links is not None:
-        first.links.transport.wait_sends()
+        settle(first, where, drained)
+    wait_sends(first)
     return losses
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
+def check_scalar_loss(loss: Any, what: str) -> torch.Tensor:
+    """``loss`` if it is a one-element tensor, else a TypeError saying what ``what`` returned instead."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    raise TypeError(f"{what} must be a scalar tensor, got {got}")

@@ -10,8 +10,7 @@ recompute, B m = its backward, L = the user's loss; time runs to the right, one 
 
 Forward phase: stage k receives micro-batch m from stage k-1 (stage 0 splits the input), runs its layers and sends
 the result to stage k+1 at once, without waiting for it to be received. A checkpointed micro-batch keeps only its
-input (the stage boundary): on an accelerator it runs in the recompute's grad mode with nothing saved, so that both
-choose the same kernels, on the CPU without autograd (``rematerialize.first_forward``); the others keep their graph.
+input (the stage boundary; ``pipe/state/rematerialize.py``); the others keep their graph.
 
 Backward phase, in reverse order: stage k first posts the receive for m's output gradient, then re-runs ("R")
 micro-batch m from its saved input -- before the gradient arrives, so recomputation fills time that would otherwise
@@ -19,9 +18,7 @@ be spent waiting (GPipe, section 2.3) -- then waits for the gradient, back-propa
 gradient to stage k-1 at once: stage k's R m runs while stage k+1 runs B m (t = 9, 11, 13 above). The idle
 triangles ('.') are the bubble, (K-1)/(M+K-1) of the time when every unit costs the same.
 
-Re-materialization modes: ``always`` checkpoints every micro-batch; ``except_last`` (default) keeps the graph of the
-last one, whose backward comes first, so recomputing it would only delay the drain (no R3 above);
-``never`` keeps every graph (fastest, most memory).
+Under ``except_last`` the last micro-batch keeps its graph: its backward comes first (no R3 above).
 
 With v virtual stages per rank (``virtual_stages``: rank r holds stages r, r + K, …) the phases run the rank's virtual
 stages one after the other, each as above: a forward phase around the ring v times (rank K − 1 hands micro-batch m of
@@ -37,7 +34,7 @@ from typing import Any
 import torch
 
 from lightning_gpipe.pipe.microbatch import join, join_input_grads, plan_sizes, split_by_sizes, split_leaves, tensors
-from lightning_gpipe.pipe.run.executor import Executor, marked_pairs
+from lightning_gpipe.pipe.run.executor import Executor, marked_pairs, settle, wait_sends
 from lightning_gpipe.pipe.run.outputs import join_outputs, output_grads, share_output
 from lightning_gpipe.pipe.run.records import OutputMode, Step
 from lightning_gpipe.pipe.split.boundary import check_boundary
@@ -104,13 +101,10 @@ def forward_phase(executors: Sequence[Executor], input: Any, M: int, output_mode
                 s.forward_micro(step, x, m, M, n, is_checkpointed(s.checkpoint, m, M), could_require)
             commit_deferred_batch_norm(s.layers)
             steps.append(step)
-        where[:] = None, None
-        last = executors[-1]
-        output = join_outputs(steps[-1], batch_dim) if last.is_last else None
+        where[:] = None, None  # the output's sharing is no micro-batch's
+        output = join_outputs(steps[-1], batch_dim) if executors[-1].is_last else None
         output = share_output(output, output_mode, first.links, first.ranks, first.device)
-        if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
-            with first.timeline.record("status"):
-                first.links.check_status()
+        settle(first, where, status=output_mode == "last")  # else the shared output told how the phase ended
     return steps, output
 
 
@@ -125,7 +119,6 @@ def backward_phase(
     first if checkpointed; ``drained`` runs once this rank's gradients are complete, before the status check waits
     for the others."""
     first = executors[0]
-    links = first.links
     with first.failures.phase("backward", output_mode) as where:
         for s, step in reversed(list(zip(executors, steps))):
             last_grads = output_grads(step, grad_output, s.batch_dim) if s.is_last else None
@@ -136,14 +129,8 @@ def backward_phase(
                 s.backward_micro(step, m, input_grads, partial(marked_pairs, grads=grads))
             if s.is_first and step.input_leaves:
                 torch.autograd.backward(step.input_leaves, join_input_grads(input_grads, s.batch_dim))
-        where[:] = None, None
-        if drained is not None:
-            drained()
-        if links is not None:
-            with first.timeline.record("status"):
-                links.check_status()
-    if links is not None:
-        links.transport.wait_sends()
+        settle(first, where, drained)
+    wait_sends(first)
 
 
 def evaluate(executors: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> Any:
@@ -180,8 +167,6 @@ def evaluate(executors: Sequence[Executor], input: Any, M: int, output_mode: Out
         where[:] = None, None
         output = join(outs, batch_dim, sizes) if executors[-1].is_last else None
         output = share_output(output, output_mode, first.links, first.ranks, first.device)
-        if first.links is not None and output_mode == "last":  # else the shared output told how the phase ended
-            first.links.check_status()
-    if first.links is not None:
-        first.links.transport.wait_sends()
+        settle(first, where, status=output_mode == "last")
+    wait_sends(first)
     return output

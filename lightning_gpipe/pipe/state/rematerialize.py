@@ -1,5 +1,15 @@
-"""Re-materialization state: autocast captured at forward, replayed at recompute, the recompute flag, and the
-first forward of a checkpointed micro-batch, run in the recompute's grad mode with nothing saved."""
+"""Re-materialization (GPipe, section 2.3): which micro-batches keep their activations, and what a recompute replays.
+
+A checkpointed micro-batch keeps only its input (the stage boundary); its backward first re-runs ("R") its forward
+from that input, started before its output gradient arrives, so that recomputing fills time otherwise spent waiting.
+Its first forward runs, on an accelerator, in the recompute's grad mode with nothing saved (so that both choose the
+same kernels), on the CPU without autograd (:func:`first_forward`). The modes (``Checkpoint``): ``always`` recomputes
+every micro-batch; ``except_last`` (default) keeps the graph of a micro-batch whose backward is the rank's next action
+after its forward (``schedule.registry.keeps_graph``), as recomputing it would only delay that backward -- in GPipe's
+fill/drain the last micro-batch, under 1F1B every one on the last stage; ``never`` keeps every graph (fastest, most
+memory). Autocast is captured at the forward and replayed at the recompute; :func:`is_recomputing` tells a layer with
+state which of the two runs it is in.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +21,7 @@ from typing import Literal, get_args
 
 import torch
 
-# Which micro-batches keep their graph: none (``always`` recompute), all but those whose backward follows their
-# forward at once (``except_last``), or all (``never``).
+# Which micro-batches keep their graph (the module's docstring): none, those whose backward follows at once, or all.
 Checkpoint = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES: tuple[Checkpoint, ...] = get_args(Checkpoint)
 
