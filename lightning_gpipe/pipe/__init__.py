@@ -1,4 +1,4 @@
-"""The GPipe engine: partitioning, micro-batching, transport, schedule and stages; depends on torch only."""
+"""The GPipe engine, torch only: split, schedule, run, comm, state, dp, trace; micro-batches, skips and the stage."""
 
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.microbatch import join, micro_batch_sizes, micro_batch_weights, split

@@ -1,1 +1,1 @@
-"""Running a stage's actions: the executor of one chunk, the two step runners, records, outputs and failures."""
+"""Running a stage's actions: the executor of one (virtual) stage, the two step runners, records, outputs, failures."""
