@@ -11,7 +11,6 @@ from typing import Any, get_args
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.errors import PipelineError
@@ -227,59 +226,13 @@ def test_a_loss_that_is_not_a_scalar_fails_every_stage_with_the_reason() -> None
         assert "must be a scalar tensor, got a tensor of shape (3, 8)" in message, (rank, message)
 
 
-class Conv(nn.Module):
-    """A Conv1d over the sequence of (N, T, D) hidden states."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv1d(models.D, models.D, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.conv(x.transpose(1, 2))).transpose(1, 2)
-
-
-class Scale(nn.Module):
-    """A parameter outside the ops zb-h1 splits: its gradient comes in I."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.g = nn.Parameter(torch.linspace(0.5, 1.5, models.D))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.g
-
-
-class OwnCheckpoint(nn.Module):
-    """A bias-free linear, then a linear under the model's own non-reentrant ``torch.utils.checkpoint``, whose
-    recompute (in backward, outside zb-h1's split) must save what its forward saved: it does not split."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.inner = nn.Linear(models.D, models.D, bias=False), nn.Linear(models.D, models.D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(lambda t: torch.tanh(self.inner(t)), self.lin(x), use_reentrant=False)
-
-
-def mixed(dropout: float) -> nn.Sequential:
-    D = models.D
-    return nn.Sequential(
-        nn.Embedding(11, D, padding_idx=0),
-        nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D), nn.Dropout(dropout)),
-        Conv(),
-        Scale(),
-        nn.Sequential(nn.Linear(D, D), nn.Dropout(dropout)),
-        OwnCheckpoint(),
-    )
-
-
 MIXED_STEPS = [(10, 5), (7, 9), (2, 4)]  # uneven micro-batches, a new sequence length each step, then M = 2 < K = 3
 
 
 def mixed_run(dropout: float, schedule: str, balance: list[int], mode: str) -> dict[str, Any]:
     """Three steps of ``mixed(dropout)``: each step's gradients, how often each parameter's hook fired, the events."""
     torch.manual_seed(0)
-    stage = GPipeStage(mixed(dropout), chunks=4, balance=balance, checkpoint=mode, timeline=True)
+    stage = GPipeStage(models.mixed(dropout), chunks=4, balance=balance, checkpoint=mode, timeline=True)
     fired = {name: 0 for name, _ in stage.named_parameters()}
     for name, p in stage.named_parameters():
         p.register_hook(lambda g, name=name: fired.__setitem__(name, fired[name] + 1))
@@ -303,7 +256,7 @@ def mixed_worker(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 def plain_mixed_grads() -> list[dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = mixed(0.0)
+    model = models.mixed(0.0)
     grads = []
     for step, (N, T) in enumerate(MIXED_STEPS):
         ids = models.make_input("ids", N, T, seed=step)

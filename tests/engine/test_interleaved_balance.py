@@ -16,12 +16,7 @@ from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from lightning_gpipe.pipe.split import virtual_stages as chunks_module
 from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from tests.helpers.launch import run_distributed
-
-# F + B per micro-batch (ms) of the overhead benchmark's Transformer, as its traced interleaved steps ran them on this
-# VM: a source embedding, 6 encoder layers, a norm, a target embedding, 6 decoder layers, a norm, the vocabulary
-# projection. solve() cuts it [5, 5, 3, 4]: the chunks' costs are nearly equal, but rank 0 (chunks 0 and 2) gets
-# the two heavier ones and runs about 10 % longer than rank 1.
-TRANSFORMER = [1.0, *[5.9] * 6, 0.1, 1.0, *[8.9] * 6, 0.1, 13.7]
+from tests.helpers.layer_costs import TRANSFORMER
 
 
 def simulated_step(costs: Sequence[float], counts: Sequence[int], K: int, v: int, M: int) -> float:

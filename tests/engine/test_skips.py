@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,25 +15,14 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage, Pop, Stash, pop, resolve_balance, skippable, stash
 from lightning_gpipe.pipe.comm.nccl_order import ENV
 from lightning_gpipe.pipe.skips import plan_skips
+from tests.helpers.guide_unet import guide_unet
 from tests.helpers.launch import run_distributed
 
-GUIDE = Path(__file__).parents[2] / "docs" / "guide.md"
 # Stage 0: the encoder's two blocks, both stashes; stage 1: the bottleneck and the first up-convolution, no skip;
 # stage 2: both pops and the decoder.
 BALANCE = [6, 2, 6]
 # (N, H): uneven micro-batches, a new image size every step.
 STEPS = [(7, 8), (5, 12), (9, 4)]
-
-
-def guide_unet() -> Any:
-    """The ``unet`` function of the guide's section "Long skip connections", run as the guide shows it."""
-    text = GUIDE.read_text()
-    section = text[text.index("### Long skip connections") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None, "the guide's skip section has its code block"
-    scope: dict[str, Any] = {}
-    exec(compile(code.group(1), str(GUIDE), "exec"), scope)
-    return scope["unet"]
 
 
 def make(dtype: torch.dtype = torch.float64) -> nn.Sequential:

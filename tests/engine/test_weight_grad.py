@@ -11,7 +11,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
-from tests.engine.test_forward_backward import mixed
 from tests.helpers import models
 
 
@@ -143,7 +142,7 @@ def test_a_mixed_model_split_under_bf16_autocast_is_autograds_backward_bit_for_b
     """Under CPU autocast (bf16) the deferred matmuls use autocast's casts: embedding, linear, conv, norms and a
     custom parameter together, split into I and W over two micro-batches, give autograd's gradients bit for bit."""
     torch.manual_seed(0)
-    plain = mixed(0.0)
+    plain = models.mixed(0.0)
     split = copy.deepcopy(plain)
     ids = [models.make_input("ids", 4, 9, seed=m) for m in range(2)]
     tgt = torch.randn(4, 9, models.D, generator=torch.Generator().manual_seed(3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 D = 8
 
@@ -109,3 +110,50 @@ class Busy(nn.Module):
         for _ in range(100):
             h = h @ self.w
         return h[:, : x.shape[1]]
+
+
+class Conv(nn.Module):
+    """A Conv1d over the sequence of (N, T, D) hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(D, D, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x.transpose(1, 2))).transpose(1, 2)
+
+
+class Scale(nn.Module):
+    """A parameter outside the ops zb-h1 splits: its gradient comes in I."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g
+
+
+class OwnCheckpoint(nn.Module):
+    """A bias-free linear, then a linear under the model's own non-reentrant ``torch.utils.checkpoint``, whose
+    recompute (in backward, outside zb-h1's split) must save what its forward saved: it does not split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.inner = nn.Linear(D, D, bias=False), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda t: torch.tanh(self.inner(t)), self.lin(x), use_reentrant=False)
+
+
+def mixed(dropout: float) -> nn.Sequential:
+    """The zb-h1 tests' model: an embedding, linears, a LayerNorm, a Conv1d, a custom parameter, dropout and the
+    model's own checkpoint; integer ids (N, T) in."""
+    return nn.Sequential(
+        nn.Embedding(11, D, padding_idx=0),
+        nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D), nn.Dropout(dropout)),
+        Conv(),
+        Scale(),
+        nn.Sequential(nn.Linear(D, D), nn.Dropout(dropout)),
+        OwnCheckpoint(),
+    )

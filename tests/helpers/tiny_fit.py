@@ -68,6 +68,16 @@ class TinyHooked(TinyPipelined):
         return F.mse_loss(self.head(output), batch[1])
 
 
+class Logged(TinyHooked):
+    """The same, logging a mean and a sum inside ``pipeline_loss``: values logged per micro-batch."""
+
+    def pipeline_loss(self, output, batch):
+        loss = super().pipeline_loss(output, batch)
+        self.log("inner_loss", loss)
+        self.log("inner_sum", (self.head(output) - batch[1]).square().sum(), reduce_fx="sum")
+        return loss
+
+
 def lightning_module(momentum: float = 0.0, tied: bool = False, hooked: bool = False) -> TinyPipelined:
     return (TinyHooked if hooked else TinyPipelined)(momentum=momentum, tied=tied)
 

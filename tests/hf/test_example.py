@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.examples.test_example_configs import cli
 from tests.helpers import ROOT
+from tests.helpers.example_cli import cli
 
 pytest.importorskip("transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'")
 

@@ -226,7 +226,7 @@ def test_device_syncs_per_step_do_not_grow_with_M(schedule: str) -> None:
 def test_strategy_syncs_per_step_do_not_grow_with_M() -> None:
     """A GPipeStrategy step with the loss inside and values logged per micro-batch, M = 2 and 6, on one GPU."""
     from lightning_gpipe.strategy import GPipeStrategy
-    from tests.strategy.test_host_syncs import Logged
+    from tests.helpers.tiny_fit import Logged
 
     class SyncsPerStep(pl.Callback):
         def __init__(self) -> None:

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader
 
 from tests.helpers.launch import quiet_trainer, run_distributed
-from tests.helpers.tiny_fit import TinyHooked, dataset
+from tests.helpers.tiny_fit import Logged, dataset
 
 READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu"}
 CPU_BY_DESIGN = {"transport.py", "distributed_c10d.py"}
@@ -49,14 +49,6 @@ class CountPerStep(pl.Callback):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.modes[-1].__exit__(None, None, None)
-
-
-class Logged(TinyHooked):
-    def pipeline_loss(self, output, batch):
-        loss = super().pipeline_loss(output, batch)
-        self.log("inner_loss", loss)
-        self.log("inner_sum", (self.head(output) - batch[1]).square().sum(), reduce_fx="sum")
-        return loss
 
 
 def worker(rank: int, world_size: int, M: int) -> dict[str, int]:

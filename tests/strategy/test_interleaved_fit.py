@@ -12,8 +12,8 @@ from torch import nn
 from lightning_gpipe.strategy._balance import Plan
 from lightning_gpipe.strategy._partition_report import PartitionReport, WholeModel
 from tests.helpers.launch import run_distributed
+from tests.helpers.pipeline_loss_fit import LOGGED, HookModule, fit
 from tests.helpers.tiny_fit import TOL
-from tests.strategy.test_micro_batch_loss import LOGGED, HookModule, fit
 
 
 class TiedHook(HookModule):

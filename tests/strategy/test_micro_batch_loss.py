@@ -8,72 +8,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
-from torchmetrics import MeanSquaredError
+from torch.utils.data import DataLoader
 
 from tests.helpers.launch import quiet_trainer, run_distributed
+from tests.helpers.pipeline_loss_fit import LOGGED, HookModule, fit
 from tests.helpers.tiny_fit import BATCH, STEPS, TOL, TinyPipelined, dataset
-
-LOGGED = ("train_loss", "train_mse", "inner_l1", "inner_sum")
-
-
-class HookModule(TinyPipelined):
-    """TinyPipelined with its loss as ``pipeline_loss``: a torchmetrics object and values logged inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.train_mse = MeanSquaredError()
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, _ = batch
-        loss = self.pipeline_loss(self.backbone(self.prefix(x)), batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        _, y = batch
-        pred = self.head(output)
-        self.train_mse(pred, y)
-        self.log("train_mse", self.train_mse, on_epoch=True)
-        self.log("inner_l1", F.l1_loss(pred, y))
-        self.log("inner_sum", (pred - y).abs().sum(), reduce_fx="sum")
-        return F.mse_loss(pred, y)
-
-
-class Shards(Sampler):
-    """The plain run's batches: each step, the dp replicas' batches joined (what DistributedSampler gives each)."""
-
-    def __init__(self, dp: int) -> None:
-        self.shards = [list(DistributedSampler(dataset(), num_replicas=dp, rank=d, seed=0)) for d in range(dp)]
-
-    def __iter__(self) -> Any:
-        for step in range(len(self.shards[0]) // BATCH):
-            for shard in self.shards:
-                yield from shard[step * BATCH : (step + 1) * BATCH]
-
-    def __len__(self) -> int:
-        return sum(len(s) for s in self.shards)
-
-
-def fit(
-    strategy: Any, devices: int, dp: int, accumulate: int, clip: float | None, kind: type = HookModule
-) -> tuple[HookModule, dict]:
-    module = kind()
-    trainer = quiet_trainer(
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip,
-    )
-    loader = (
-        DataLoader(dataset(), batch_size=BATCH)
-        if devices > 1
-        else DataLoader(dataset(), batch_size=BATCH * dp, sampler=Shards(dp))
-    )
-    trainer.fit(module, loader)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return module, metrics
 
 
 def worker(rank: int, world_size: int, pp: int, schedule: str, accumulate: int, clip: float | None) -> dict:
@@ -85,7 +24,7 @@ def worker(rank: int, world_size: int, pp: int, schedule: str, accumulate: int, 
     return {
         "params": {n: p.detach().tolist() for n, p in module.named_parameters()},
         "metrics": metrics,
-        "micro": strategy._micro is not None,
+        "micro": strategy._loss_inside is not None,
     }
 
 
@@ -221,11 +160,11 @@ def test_misuse_fails_on_every_rank_with_the_fix(kind: str, says: str) -> None:
 @pytest.mark.parametrize(("module", "setting"), [(TinyPipelined(), "auto"), (HookModule(), False)])
 def test_a_schedule_with_the_loss_outside_is_refused(module: Any, setting: Any) -> None:
     """schedule='1f1b' orders the loss-inside step only; with the loss outside it would silently run GPipe's order."""
-    from lightning_gpipe.strategy._micro_batch_loss import MicroBatchLoss
+    from lightning_gpipe.strategy._pipeline_loss import PipelineLoss
 
     with pytest.raises(ValueError, match=r"schedule='1f1b'.*loss runs outside.*leave schedule='gpipe'"):
-        MicroBatchLoss.choose(module, setting, None, "1f1b")
-    assert MicroBatchLoss.choose(module, setting, None, "gpipe") is None
+        PipelineLoss.choose(module, setting, None, "1f1b")
+    assert PipelineLoss.choose(module, setting, None, "gpipe") is None
 
 
 def bf16_worker(rank: int, world_size: int) -> dict[str, dict]:

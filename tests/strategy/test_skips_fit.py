@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_gpipe.pipe.comm.nccl_order import ENV
-from tests.engine.test_skips import guide_unet
+from tests.helpers.guide_unet import guide_unet
 from tests.helpers.launch import quiet_trainer, run_distributed
 
 N_SAMPLES, BATCH, STEPS, LR = 48, 6, 3, 0.05  # every replica has STEPS batches in its first epoch
