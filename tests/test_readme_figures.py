@@ -1,4 +1,4 @@
-"""Every measured figure README.md quotes is the one in its committed results file (benchmarks/results/)."""
+"""Every measured figure README.md and docs/guide.md quote is the one in its results file (benchmarks/results/)."""
 
 from __future__ import annotations
 
@@ -27,31 +27,9 @@ def throughput(name: str, model: str, K: int, M: int) -> tuple[float, float]:
     return speed_up, speed_up / (K * M / (M + K - 1))
 
 
-def run1_over_ideal(model: str, K: int, M: int) -> float:
-    """Run 1 of the 2-core throughput table exists only as markdown: its "speed-up / ideal" column."""
-    section = (RESULTS / "throughput_run1.md").read_text().split(f"## {model}:")[1].split("\n## ")[0]
-    row = re.search(rf"^\| {K} \| {M} \|(.*)$", section, re.M)
-    assert row, (model, K, M)
-    return float(row.group(1).split("|")[4])
-
-
-def peers_ratio(key: str, M: int) -> float:
-    return next(r[key] for r in results("peers.json")["ratios"] if r["M"] == M)
-
-
-def peers_variable() -> float:
-    rate = {r["system"]: r["tokens_per_s"] for r in results("peers.json")["variable"]}
-    return rate["ours except_last"] / rate["plain"]
-
-
 def memory(model: str, config: str, key: str) -> float:
     largest = results("memory.json")["results"][model]["largest"][config]
     return largest["largest"] if key == "size" else largest["run"]["params"] / 1e6
-
-
-def overhead(field: str, files: tuple[str, ...]) -> tuple[float, float]:
-    values = [r[field] for f in files for r in results(f)["rows"]]
-    return min(values), max(values)
 
 
 def consistency(run: str) -> float:
@@ -79,45 +57,40 @@ def f1(x: float) -> str:
 
 
 XEON = "xeon16/throughput.json"
-OVERHEAD = ("overhead.json", "xeon16/overhead.json")
-# README phrase, with {} where each figure stands → the figures, computed from the results, written as README does.
-FIGURES: list[tuple[str, Callable[[], list[str]]]] = [
-    ("at M = 4 on the 16-core machine ({} of it)", lambda: [f2(throughput(XEON, "transformer", 2, 4)[1])]),
+README, GUIDE = ROOT / "README.md", ROOT / "docs" / "guide.md"
+# The document, its phrase with {} where each figure stands → the figures, computed from the results, written as the
+# document does.
+FIGURES: list[tuple[Path, str, Callable[[], list[str]]]] = [
+    (README, "K = 2 reaches {} of GPipe's ideal", lambda: [f2(throughput(XEON, "transformer", 2, 4)[1])]),
+    (README, "K = 8 runs {}× faster than K = 1 at M = 8", lambda: [f2(throughput(XEON, "transformer", 8, 8)[0])]),
     (
-        "vary from run to run: {}–{})",
-        lambda: [f2(throughput("throughput.json", "amoebanet", 2, 4)[1]), f2(run1_over_ideal("amoebanet", 2, 4))],
-    ),
-    ("a Transformer runs {}× faster than K = 1 at M = 8", lambda: [f2(throughput(XEON, "transformer", 8, 8)[0])]),
-    (
-        "with the same re-materialization {}× its GPipe schedule at M = 4 and {}× at M = 8, with ours' default {}× and"
-        " {}×",
-        lambda: [f2(peers_ratio(k, M)) for k in ("gpipe_torch", "gpipe_el_torch") for M in (4, 8)],
-    ),
-    ("ours runs ({}× the plain model", lambda: [f2(peers_variable())]),
-    (
+        README,
         "AmoebaNet-D grows from {}M parameters (plain) to {}M with re-materialization alone, {}M at K = 2 and {}M at"
         " K = 4",
         lambda: [f1(memory("amoebanet", c, "params")) for c in ("Naive-1", "Pipeline-1", "Pipeline-2", "Pipeline-4")],
     ),
     (
+        README,
         "a Transformer from {} to {}, {} and {} layers",
         lambda: [str(memory("transformer", c, "size")) for c in ("Naive-1", "Pipeline-1", "Pipeline-2", "Pipeline-4")],
     ),
-    ("recomputation {}–{} % of a step", lambda: [f"{x:.0f}" for x in overhead("recompute", OVERHEAD)]),
-    ("transfers {}–{} %", lambda: [f"{x:.0f}" for x in overhead("transfer", ("xeon16/overhead.json",))]),
-    ("within {} with dropout", lambda: [sci(consistency("nmt dropout"))]),
-    ("within {} after 60 Adam steps", lambda: [sci(consistency("nmt"))]),
-    ("costliest stage does {}× the mean by parameters, {}× by FLOPs", lambda: [f2(partition(4, s)) for s in
-                                                                                  ("parameters", "flops")]),
+    (README, "within {} with dropout", lambda: [sci(consistency("nmt dropout"))]),
+    (README, "within {} after 60 Adam steps", lambda: [sci(consistency("nmt"))]),
+    (GUIDE, "costliest stage does {}× the mean by parameters, {}× by FLOPs", lambda: [f2(partition(4, s)) for s in
+                                                                                         ("parameters", "flops")]),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("phrase", "figures"), FIGURES, ids=[p.split("{}")[0].strip()[-30:] for p, _ in FIGURES])
-def test_the_readme_quotes_the_results(phrase: str, figures: Callable[[], list[str]]) -> None:
-    readme = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize(
+    ("document", "phrase", "figures"),
+    FIGURES,
+    ids=[f"{d.name}: {p.split('{}')[0].strip()[-30:]}" for d, p, _ in FIGURES],
+)
+def test_the_docs_quote_the_results(document: Path, phrase: str, figures: Callable[[], list[str]]) -> None:
+    text = document.read_text()
     expected = phrase.format(*figures())
-    # The phrase with any figure in each slot: found, it tells which number the README has where it disagrees.
+    # The phrase with any figure in each slot: found, it tells which number the document has where it disagrees.
     pattern = r"\s+".join(re.escape(part) for part in phrase.split()).replace(re.escape("{}"), r"([0-9.e+-]+)")
-    found = re.search(pattern, readme)
-    assert found, f"README.md no longer has the phrase {phrase!r}: update FIGURES with it"
+    found = re.search(pattern, text)
+    assert found, f"{document.name} no longer has the phrase {phrase!r}: update FIGURES with it"
     assert re.sub(r"\s+", " ", found.group(0)) == re.sub(r"\s+", " ", expected), (found.group(0), expected)
