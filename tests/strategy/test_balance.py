@@ -347,7 +347,7 @@ def test_interleaving_splits_for_the_simulated_step_and_says_so(monkeypatch: pyt
     from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
     from lightning_gpipe.strategy import _balance
     from lightning_gpipe.strategy._rank_pipeline import StageOptions, _plan
-    from tests.engine.test_interleaved_balance import TRANSFORMER
+    from tests.helpers.layer_costs import TRANSFORMER
 
     module = Uneven()
     module.backbone = nn.Sequential(*[nn.Linear(D, D) for _ in TRANSFORMER])

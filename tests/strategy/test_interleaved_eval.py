@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.helpers.launch import quiet_trainer, run_distributed
+from tests.helpers.pipeline_loss_fit import HookModule
 from tests.helpers.tiny_fit import BATCH, dataset
-from tests.strategy.test_micro_batch_loss import HookModule
 
 TOL = 1e-6
 BATCHES = 3  # training steps per epoch
