@@ -13,7 +13,7 @@ TESTS = ROOT / "tests"
 def imported_modules(path: Path) -> set[str]:
     """The absolute name of every module ``path`` imports (``from . import x`` resolved against its package)."""
     package = path.relative_to(ROOT).with_suffix("").parts[:-1]
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
