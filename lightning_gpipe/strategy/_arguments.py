@@ -111,7 +111,7 @@ def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) 
         fix = "schedule='interleaved-1f1b'" if v > 1 else "virtual_stages=2 or more (or another schedule)"
         raise ValueError(
             f"GPipeStrategy(schedule={schedule!r}, virtual_stages={v}): {schedule!r} runs "
-            + ("one chunk per rank" if spec.v_max == 1 else f"v ≥ {spec.v_min} virtual stages per rank")
+            + ("one stage per rank" if spec.v_max == 1 else f"v ≥ {spec.v_min} stages per rank")
             + f"; use {fix}"
         )
 

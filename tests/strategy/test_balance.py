@@ -294,7 +294,7 @@ def test_the_loss_inside_cuts_for_the_schedules_simulated_step() -> None:
     stage's, and is a shorter simulated step."""
     from types import SimpleNamespace
 
-    from lightning_gpipe.pipe.split.virtual_stages import SIMULATION_TOLERANCE, simulated_step, solve_chunks
+    from lightning_gpipe.pipe.split.virtual_stages import SIMULATION_TOLERANCE, simulated_step, solve_virtual_stages
     from lightning_gpipe.strategy._rank_pipeline import StageOptions, _plan
     from lightning_gpipe.strategy.gpipe import GPipeStrategy
     from tests.helpers.tiny_fit import lightning_module
@@ -316,20 +316,20 @@ def test_the_loss_inside_cuts_for_the_schedules_simulated_step() -> None:
     profile = [1.1, 9.0, 10.5, 8.4, 8.7, 8.3, 8.5, 0.3, 1.3, 10.9, 12.6, 10.1, 12.5, 11.7, 10.5, 0.2, 20.0]
     assert solve(profile, 2, 0.75) == [9, 8]
     for schedule in ("gpipe", "1f1b"):  # 7 % and 2.2 % shorter steps simulated
-        cut = solve_chunks(profile, 2, 1, 8, "except_last", schedule)
+        cut = solve_virtual_stages(profile, 2, 1, 8, "except_last", schedule)
         assert cut == [10, 7], schedule
         step = simulated_step(profile, cut, 2, 1, 8, "except_last", schedule)
         assert step < (1 - SIMULATION_TOLERANCE) * simulated_step(profile, [9, 8], 2, 1, 8, "except_last", schedule)
     # zb-h1's W fills the cool-down, where the heavier last stage waited: the two within the model's tolerance, the
     # cheapest costliest stage's split stays
-    assert solve_chunks(profile, 2, 1, 8, "except_last", "zb-h1") == [9, 8]
+    assert solve_virtual_stages(profile, 2, 1, 8, "except_last", "zb-h1") == [9, 8]
     # The README's main command by FLOPs (M FLOPs: layers 0–4, dec0, dec1 … project): its two cuts nearest the
     # middle simulate within 0.1 % of each other, and solve's, which ran a third faster, stays
     nmt = [311.0, 211.0, 408.0]
     assert simulated_step(nmt, [2, 1], 2, 1, 4, "except_last", "gpipe") < simulated_step(
         nmt, [1, 2], 2, 1, 4, "except_last", "gpipe"
     )
-    assert solve_chunks(nmt, 2, 1, 4, "except_last", "gpipe") == solve(nmt, 2, 0.75) == [1, 2]
+    assert solve_virtual_stages(nmt, 2, 1, 4, "except_last", "gpipe") == solve(nmt, 2, 0.75) == [1, 2]
     strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=1)
     for hooked, inside_expected in ((True, True), (False, False)):
         strategy._lightning_module = lightning_module(hooked=hooked)
@@ -340,11 +340,11 @@ def test_the_loss_inside_cuts_for_the_schedules_simulated_step() -> None:
 
 
 def test_interleaving_splits_for_the_simulated_step_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With virtual_stages = 2 the measured costs are split by ``solve_chunks`` (each rank's chunks together), not
-    by the per-chunk optimum; one chunk per rank with the loss inside, for the simulated 1F1B step."""
+    """With virtual_stages = 2 the measured costs are split by ``solve_virtual_stages`` (each rank's virtual stages
+    together), not by the per-chunk optimum; one chunk per rank with the loss inside, for the simulated 1F1B step."""
     from types import SimpleNamespace
 
-    from lightning_gpipe.pipe.split.virtual_stages import solve_chunks
+    from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
     from lightning_gpipe.strategy import _balance
     from lightning_gpipe.strategy._rank_pipeline import StageOptions, _plan
     from tests.helpers.layer_costs import TRANSFORMER
@@ -359,8 +359,10 @@ def test_interleaving_splits_for_the_simulated_step_and_says_so(monkeypatch: pyt
         return _plan(module, module.backbone, options, SimpleNamespace(K=K, rank=0), cpu, False, lambda obj: obj)  # type: ignore[arg-type]
 
     interleaved, one_chunk = plan(2, "interleaved-1f1b", 2), plan(4, "1f1b", 1)
-    assert interleaved.balance == solve_chunks(TRANSFORMER, 2, 2, 8, "except_last") != solve(TRANSFORMER, 4, 0.75)
-    assert "shortest simulated interleaved-1f1b step (each rank's chunks together)" in interleaved.note
-    assert one_chunk.balance == solve_chunks(TRANSFORMER, 4, 1, 8, "except_last", "1f1b")
+    assert (
+        interleaved.balance == solve_virtual_stages(TRANSFORMER, 2, 2, 8, "except_last") != solve(TRANSFORMER, 4, 0.75)
+    )
+    assert "shortest simulated interleaved-1f1b step (each rank's virtual stages together)" in interleaved.note
+    assert one_chunk.balance == solve_virtual_stages(TRANSFORMER, 4, 1, 8, "except_last", "1f1b")
     assert one_chunk.note.endswith("split for the shortest simulated 1f1b step")
     assert (interleaved.last_stage_scale, one_chunk.last_stage_scale) == (1.0, 0.75)  # as the log weighs the costs

@@ -1,4 +1,4 @@
-"""With interleaving (v = 2 chunks per rank), Lightning's validate and predict loops and a resumed fit are the plain
+"""With interleaving (v = 2 per rank), Lightning's validate and predict loops and a resumed fit are the plain
 run's: the forward-only pipeline goes around the ring v times; resumed from a single file or a DCP folder."""
 
 from __future__ import annotations

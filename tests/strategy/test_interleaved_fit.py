@@ -107,16 +107,16 @@ def test_chunks_the_interleaved_schedule_refuses_fail_at_setup_on_every_rank() -
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"virtual_stages": 2}, "GPipeStrategy(schedule='gpipe', virtual_stages=2): 'gpipe' runs one chunk per rank"),
+        ({"virtual_stages": 2}, "GPipeStrategy(schedule='gpipe', virtual_stages=2): 'gpipe' runs one stage per rank"),
         (
             {"schedule": "interleaved-1f1b"},
-            "GPipeStrategy(schedule='interleaved-1f1b', virtual_stages=1): 'interleaved-1f1b' runs v ≥ 2 chunks per "
+            "GPipeStrategy(schedule='interleaved-1f1b', virtual_stages=1): 'interleaved-1f1b' runs v ≥ 2 stages per "
             "rank; use virtual_stages=2",
         ),
-        ({"schedule": "interleaved-1f1b", "virtual_stages": 0}, "GPipeStrategy(virtual_stages=0): the chunks of"),
+        ({"schedule": "interleaved-1f1b", "virtual_stages": 0}, "GPipeStrategy(virtual_stages=0): the stages of"),
         (
             {"schedule": "1f1b", "virtual_stages": 3},
-            "GPipeStrategy(schedule='1f1b', virtual_stages=3): '1f1b' runs one chunk per rank; use schedule='interl",
+            "GPipeStrategy(schedule='1f1b', virtual_stages=3): '1f1b' runs one stage per rank; use schedule='interl",
         ),
     ],
 )
