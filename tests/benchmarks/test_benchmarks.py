@@ -251,8 +251,14 @@ def test_interleaved_split_compares_the_two_cuts_side_by_side(tmp_path: Path) ->
         (m, s) for m in ("amoebanet", "transformer") for s in ("per-chunk", "simulated")
     ]
     for r in data["rows"]:
-        assert r["median_ms"] > 0 and r["modelled"] > 0 and r["paired"] > 0, r
-        assert r["paired"] == 1.0 or r["split"] == "simulated", r
+        assert r["median_ms"] > 0 and r["modelled"] > 0, r
+        # The paired ratio is over the rounds where both steps were clean, None under 3 of them: on a busy machine
+        # (no clean round) the row says so instead of a ratio. What it holds, not how quiet the machine was.
+        mine, per_chunk = data["raw"][r["model"]][r["split"]], data["raw"][r["model"]]["per-chunk"]
+        clean_rounds = sum(a["clean"] and b["clean"] for a, b in zip(mine, per_chunk, strict=True))
+        assert (r["paired"] is None) == (clean_rounds < 3), (r["paired"], clean_rounds)
+        assert r["paired"] is None or (isinstance(r["paired"], float) and r["paired"] > 0), r
+        assert r["paired"] in (None, 1.0) or r["split"] == "simulated", r
     for model in ("amoebanet", "transformer"):  # the simulated cut is never modelled slower than the per-chunk one
         per_chunk, simulated = (r["modelled"] for r in data["rows"] if r["model"] == model)
         assert simulated <= per_chunk, (model, simulated, per_chunk)
