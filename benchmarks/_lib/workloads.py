@@ -128,11 +128,11 @@ def balances(name: str, s: dict[str, Any], ks: list[int], how: str, loss_inside:
     return info
 
 
-# ------------------------------------ the encoder stack (engine_speed.py, peers.py, peers_variable.py)
+# ------------------------------------ the encoder stack (peers.py, peers_variable.py, studies/engine_speed.py)
 # Module globals, read when called: ``configure`` changes them (the small --smoke shape below).
 LAYERS, D_MODEL, HEADS, FFN = 8, 256, 8, 1024
 BATCH, SEQ = 64, 32
-# A small stack for --smoke runs (peers.py, engine_speed.py).
+# A small stack for --smoke runs (peers.py, studies/engine_speed.py).
 SMOKE_ENCODER = {"LAYERS": 4, "D_MODEL": 64, "HEADS": 4, "FFN": 256, "BATCH": 16, "SEQ": 16}
 
 
