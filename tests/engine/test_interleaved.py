@@ -307,9 +307,7 @@ def test_bad_interleaving_arguments_fail_on_every_rank_with_the_fix() -> None:
 
 
 def test_one_rank_cannot_interleave() -> None:
-    with pytest.raises(
-        ValueError, match="virtual_stages=2 interleaves stages over the ranks of a pipeline, but this"
-    ):
+    with pytest.raises(ValueError, match="virtual_stages=2 interleaves stages over the ranks of a pipeline, but this"):
         GPipeStage(chain(8, F64), chunks=4, virtual_stages=2)
 
 
