@@ -26,6 +26,12 @@ why no public API does it:
   innermost ``saved_tensors_hooks`` in effect: zb-h1's split must not change what autograd saves under
   ``torch.utils.checkpoint``'s non-reentrant forward, whose recompute checks it; torch exposes no getter.
 
+- ``fsdp_post_backward``: each FSDP2 parameter group's ``post_backward`` (``fully_shard.state(module)``'s
+  ``_state_ctx.all_states``, their ``_fsdp_param_groups``) and the root state's
+  ``_root_post_backward_final_callback``: a stage's gradients reduce-scattered once, after the last backward work of
+  the step, as torch's own pipeline schedules do it (``PipelineStage.perform_reduce_grad``). FSDP2 runs them from
+  autograd hooks only, which fire after a layer's input gradient: zb-h1's deferred weight gradients come later.
+
 Not counted, and pinned by the same test: ``Module._modules``, ``_parameters``, ``_buffers``, ``_forward_pre_hooks``
 and ``_forward_hooks``, the dicts every ``nn.Module`` method reads and writes (replacing a layer or a buffer under its
 name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_coalesced`` is the strategy's, in
@@ -47,6 +53,7 @@ __all__ = [
     "BatchNormBase",
     "accumulate_grads",
     "forward_hooks_always_called",
+    "fsdp_post_backward",
     "keystr",
     "profiler_enabled",
     "saved_tensors_pack_hook",
@@ -89,3 +96,16 @@ def saved_tensors_pack_hook() -> Callable[[torch.Tensor], Any] | None:
     """The pack hook of the innermost ``torch.autograd.graph.saved_tensors_hooks`` in effect, or None."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return None if hooks is None else hooks[0]
+
+
+def fsdp_post_backward(module: nn.Module) -> None:
+    """What FSDP2's autograd hooks run after ``module``'s (a ``fully_shard`` root's) last backward: each of its
+    parameter groups reduce-scatters its unsharded gradients (as the module's flags say) and reshards, then the root
+    waits for the reductions."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()

@@ -137,3 +137,17 @@ def test_module_slots_are_the_dicts_module_methods_use() -> None:
     pre = bn.register_forward_pre_hook(lambda *_: None)
     post = bn.register_forward_hook(lambda *_: None)
     assert pre.id in bn._forward_pre_hooks and post.id in bn._forward_hooks
+
+
+def test_fsdp_post_backward_reaches_fsdp2s_own_steps() -> None:
+    """FSDP2's state of a ``fully_shard`` module, its per-state parameter groups' ``post_backward`` and the root's
+    final callback (their behaviour: tests/engine/test_fsdp.py, one reduce-scatter per layer per step)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, FSDPStateContext
+
+    assert callable(fully_shard.state)  # type: ignore[attr-defined]
+    assert callable(FSDPParamGroup.post_backward) and callable(FSDPState._root_post_backward_final_callback)
+    state = FSDPState()
+    assert isinstance(state._state_ctx, FSDPStateContext) and state._state_ctx.all_states == []
+    assert state._fsdp_param_groups == []

@@ -1,0 +1,56 @@
+"""FSDP2 over a stage's data-parallel replicas: each layer a unit, gathered once a step and reduced once a step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_gpipe.pipe._torch_internals import fsdp_post_backward
+
+
+class ShardedLayers:
+    """A stage's layers, each sharded with torch's ``fully_shard`` over ``mesh`` (the data-parallel dimension).
+
+    Under a pipeline a layer runs M forwards and M backwards a step, in its schedule's order. FSDP2's defaults would
+    gather its parameters before each forward and backward and reduce its gradient after each backward. Here a layer
+    is gathered at its first forward and stays whole for the step (``reshard_after_forward=False``, the default, as
+    torchtitan keeps it under a pipeline), its gradient accumulates unsharded over the M backwards (:meth:`begin`
+    turns FSDP's synchronization off), and :meth:`reduce`, once the stage's gradients are complete -- the engine's
+    ``drained``, after zb-h1's deferred weight gradients too -- reduce-scatters each layer's gradient once and frees
+    its whole parameters: one all-gather and one reduce-scatter per layer per step. With
+    ``reshard_after_forward=True`` a layer is gathered again for every backward (memory for traffic).
+    """
+
+    def __init__(
+        self,
+        layers: Iterable[nn.Module],
+        mesh: DeviceMesh,
+        *,
+        reshard_after_forward: bool = False,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> None:
+        policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+        self.units: list[FSDPModule] = [
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+            for layer in layers
+            if any(True for _ in layer.parameters())
+        ]
+
+    def begin(self) -> None:
+        """Before a step's first backward: gradients accumulate unsharded, nothing reduced or resharded by autograd."""
+        for unit in self.units:
+            unit.set_requires_gradient_sync(False)
+            unit.set_is_last_backward(False)
+            unit.set_reshard_after_backward(False)
+
+    def reduce(self) -> None:
+        """After the stage's last backward work of the step: each layer's gradient reduce-scattered into its shard
+        (the mean over the replicas), its whole parameters freed."""
+        for unit in self.units:
+            unit.set_requires_gradient_sync(True)
+            unit.set_is_last_backward(True)
+            unit.set_reshard_after_backward(True)
+            fsdp_post_backward(unit)  # type: ignore[arg-type]

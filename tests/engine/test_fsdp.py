@@ -1,0 +1,123 @@
+"""A stage's layers sharded with FSDP2 over its data-parallel replicas (pipe.dp.fsdp): the same gradients as one
+device for every schedule and the loss inside or outside, each parameter held as a shard, and one all-gather and one
+reduce-scatter per layer per step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.dp.fsdp import ShardedLayers
+from tests.helpers.launch import run_distributed
+
+N, STEPS, LR = 7, 2, 0.1  # 7 samples a replica: M = 3 uneven micro-batches (3, 2, 2)
+
+
+def build() -> nn.Sequential:
+    torch.manual_seed(0)
+    widths = [(8, 16), (16, 16), (16, 15), (15, 4)]  # 15: a dimension the 2 shards cannot split evenly
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(widths):
+        layers += [nn.Linear(a, b), nn.Tanh()] if i < len(widths) - 1 else [nn.Linear(a, b)]
+    return nn.Sequential(*layers).double()
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Each replica's batch (different data per replica): inputs and targets, replica first."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, N, 8, generator=g, dtype=torch.float64)
+    return x, torch.randn(2, N, 4, generator=g, dtype=torch.float64)
+
+
+def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "pipeline"))
+    v = case.get("v", 1)
+    stage = GPipeStage(
+        build(),
+        chunks=3,
+        balance=[4, 3] if v == 1 else [2, 2, 2, 1],
+        checkpoint=case["checkpoint"],
+        group=mesh["pipeline"].get_group(),
+        virtual_stages=v,
+    )
+    sharded = ShardedLayers(stage.children(), mesh["data_parallel"])
+    plain, (xs, ys) = build(), data()
+    x, y = xs[mesh["data_parallel"].get_local_rank()], ys[mesh["data_parallel"].get_local_rank()]
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    dist.all_gather_single, dist.reduce_scatter_single = (
+        counted("all_gather", gather),
+        counted("reduce_scatter", scatter),
+    )
+    worst = 0.0
+    try:
+        for _ in range(STEPS):
+            sharded.begin()
+            sizes = stage.micro_batch_sizes(x)
+            starts = [sum(sizes[:m]) for m in range(len(sizes))]
+
+            def loss_fn(out: torch.Tensor, m: int, at: list[int] = starts, n: list[int] = sizes) -> torch.Tensor:
+                return ((out - y[at[m] : at[m] + n[m]]) ** 2).sum() / N
+
+            if case["schedule"] is None:  # the loss outside the pipeline, on the whole output
+                out = stage(x)
+                if stage.is_last:
+                    (((out - y) ** 2).sum() / N).backward()
+                stage.backward(drained=sharded.reduce)
+            else:
+                stage.forward_backward(x, loss_fn, schedule=case["schedule"], drained=sharded.reduce)
+            plain.zero_grad()
+            (sum(((plain(xs[r]) - ys[r]) ** 2).sum() / N for r in range(2)) / 2).backward()
+            named = dict(plain.named_parameters())
+            for name, p in stage.named_parameters():
+                assert isinstance(p, DTensor) and p.to_local().shape[0] <= math.ceil(p.shape[0] / 2), name  # dim 0
+                worst = max(worst, (p.grad.full_tensor() - named[name].grad).abs().max().item())
+            with torch.no_grad():
+                for p in [*stage.parameters(), *plain.parameters()]:
+                    p -= LR * p.grad
+                    p.grad = None
+        weights = max(
+            (p.full_tensor() - dict(plain.named_parameters())[n]).abs().max().item()
+            for n, p in stage.named_parameters()
+        )
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+    return {"worst_grad": worst, "weights": weights, "calls": calls, "units": len(sharded.units)}
+
+
+CASES = [
+    {"schedule": None, "checkpoint": "except_last"},
+    {"schedule": "gpipe", "checkpoint": "always"},
+    {"schedule": "1f1b", "checkpoint": "except_last"},
+    {"schedule": "zb-h1", "checkpoint": "except_last"},
+    {"schedule": "interleaved-1f1b", "checkpoint": "never", "v": 2},
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['schedule'] or 'loss_outside'}-{c['checkpoint']}" for c in CASES])
+def test_sharded_stages_are_the_plain_run_with_one_gather_and_one_reduce_per_layer(case: dict[str, Any]) -> None:
+    results = run_distributed(_worker, 4, case, timeout=100)
+    for rank, r in enumerate(results):
+        assert r["worst_grad"] < 1e-12 and r["weights"] < 1e-12, (rank, r)
+        # Per step, each sharded layer gathered once for all M micro-batches and reduced once (not M times).
+        assert r["units"] >= 1 and r["calls"] == {
+            "all_gather": STEPS * r["units"],
+            "reduce_scatter": STEPS * r["units"],
+        }
