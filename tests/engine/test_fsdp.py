@@ -121,3 +121,52 @@ def test_sharded_stages_are_the_plain_run_with_one_gather_and_one_reduce_per_lay
             "all_gather": STEPS * r["units"],
             "reduce_scatter": STEPS * r["units"],
         }
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def _adam_worker(rank: int, world_size: int) -> dict[str, float]:
+    """Adam on the shards under zb-h1 against Adam on the plain model, and what each rank holds."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "pipeline"))
+    torch.manual_seed(0)
+    wide = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)], nn.Linear(64, 4)).double()
+    plain = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)], nn.Linear(64, 4)).double()
+    plain.load_state_dict(wide.state_dict())
+    stage = GPipeStage(wide, chunks=3, balance=[3, 2], group=mesh["pipeline"].get_group())
+    whole = sum(p.numel() * p.element_size() for p in stage.parameters())  # the unsharded stage's parameters
+    sharded = ShardedLayers(stage.children(), mesh["data_parallel"])
+    optimizer, reference = torch.optim.Adam(stage.parameters(), lr=1e-2), torch.optim.Adam(plain.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    xs, ys = torch.randn(2, N, 64, generator=g, dtype=torch.float64), torch.randn(2, N, 4, generator=g).double()
+    d = mesh["data_parallel"].get_local_rank()
+    for _ in range(3):
+        sharded.begin()
+        sizes = stage.micro_batch_sizes(xs[d])
+        starts = [sum(sizes[:m]) for m in range(len(sizes))]
+
+        def loss_fn(out: torch.Tensor, m: int, at: list[int] = starts, n: list[int] = sizes) -> torch.Tensor:
+            return ((out - ys[d][at[m] : at[m] + n[m]]) ** 2).sum() / N
+
+        stage.forward_backward(xs[d], loss_fn, schedule="zb-h1", drained=sharded.reduce)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # the gradients' shards stay allocated, as in a training loop
+        (sum(((plain(xs[r]) - ys[r]) ** 2).sum() / N for r in range(2)) / 2).backward()
+        reference.step()
+        reference.zero_grad()
+    named = dict(plain.named_parameters())
+    held = sum(_local_bytes(p) + _local_bytes(p.grad) for p in stage.parameters())
+    held += sum(_local_bytes(t) for state in optimizer.state.values() for t in state.values())
+    return {
+        "weights": max((p.full_tensor() - named[n]).abs().max().item() for n, p in stage.named_parameters()),
+        "held_over_ddp": held / (4 * whole),  # a replica holds parameters, gradients and Adam's two moments whole
+    }
+
+
+@pytest.mark.timeout(120)
+def test_adam_on_the_shards_is_the_plain_run_and_each_rank_holds_about_half() -> None:
+    for rank, r in enumerate(run_distributed(_adam_worker, 4, timeout=100)):
+        assert r["weights"] < 1e-12, (rank, r)
+        assert r["held_over_ddp"] <= 0.55, (rank, r)
