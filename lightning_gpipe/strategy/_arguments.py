@@ -27,6 +27,9 @@ DATA_LOADINGS: tuple[DataLoading, ...] = get_args(DataLoading)
 # The data-parallel gradient mean: one all-reduce per bucket, or Jizhi's hierarchy, or chosen by the layout.
 DpReduction = Literal["auto", "flat", "hierarchical"]
 DP_REDUCTIONS: tuple[DpReduction, ...] = get_args(DpReduction)
+# How the replicas of a stage hold it: each a whole copy (gradients all-reduced), or a shard of each layer (FSDP2).
+DataParallel = Literal["ddp", "fsdp"]
+DATA_PARALLELS: tuple[DataParallel, ...] = get_args(DataParallel)
 
 
 def check_arguments(a: dict[str, Any]) -> tuple[int, ...]:
@@ -47,6 +50,7 @@ def check_arguments(a: dict[str, Any]) -> tuple[int, ...]:
             f"{list(DP_REDUCTIONS)}"
         )
     check_data_loading(a["data_loading"])
+    check_sharding(a["data_parallel"], a["reshard_after_forward"])
     return check_trace_args(a["trace_dir"], a["trace_steps"])
 
 
@@ -89,7 +93,22 @@ def check_strategy_args(
         )
 
 
-# Renamed before 0.1.0 froze the names: old → new. The old ones warn until 0.2.
+def check_sharding(data_parallel: Any, reshard_after_forward: Any) -> None:
+    """How the replicas of a stage hold its layers, and when a sharded layer lets go of its gathered weights."""
+    if data_parallel not in DATA_PARALLELS:
+        raise ValueError(
+            f"GPipeStrategy(data_parallel={data_parallel!r}): choose 'ddp' (each replica holds its stage whole) or "
+            "'fsdp' (each replica holds a shard of every layer of its stage)"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"GPipeStrategy(reshard_after_forward={reshard_after_forward!r}): give True or False")
+    if reshard_after_forward and data_parallel != "fsdp":
+        raise ValueError(
+            "GPipeStrategy(reshard_after_forward=True) frees the gathered weights of sharded layers, and only "
+            "data_parallel='fsdp' shards them; set data_parallel='fsdp' or leave reshard_after_forward=False"
+        )
+
+
 def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) -> None:
     """Where the loss runs, and in which order the micro-batches go when it runs inside the pipeline, over how many
     virtual stages per rank."""

@@ -9,15 +9,22 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
+from lightning_gpipe.pipe.dp.fsdp import ShardedLayers
 from lightning_gpipe.pipe.dp.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
 from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from lightning_gpipe.pipe.state.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 from lightning_gpipe.strategy import _lightning_internals as internals
-from lightning_gpipe.strategy._arguments import StrategyBalance, check_backbone_layers, check_interleaving
+from lightning_gpipe.strategy._arguments import (
+    DataParallel,
+    StrategyBalance,
+    check_backbone_layers,
+    check_interleaving,
+)
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit, check_loss
 from lightning_gpipe.strategy._averaged import WeightAverages
 from lightning_gpipe.strategy._balance import Plan, plan_balance, shown_costs
@@ -97,6 +104,8 @@ class RankPipeline:
         self.held_buffers: HeldBuffers | None = None
         self._dp_reduce: OverlappedReduction | None = None
         self._ready: ReadyBuckets | None = None
+        self.sharded: ShardedLayers | None = None  # data_parallel="fsdp": the stage's layers, sharded over dp
+        self._shards_pending = False  # this step's sharded gradients wait for their reduce-scatter
 
     @classmethod
     def build(
@@ -144,9 +153,18 @@ class RankPipeline:
             sync_deferred_batch_norm(stage, mesh.dp_group)
         return cls(stage, mesh, step_audit, names, report)
 
-    def connect(self, module: nn.Module, plugin: Precision, device: torch.device, bucket_bytes: int) -> None:
-        """Collective: the copies made equal (the first time), metrics, gradient reduction and precision plugin
-        pointed at the pipeline's groups."""
+    def connect(
+        self,
+        module: nn.Module,
+        plugin: Precision,
+        device: torch.device,
+        bucket_bytes: int,
+        data_parallel: DataParallel = "ddp",
+        reshard_after_forward: bool = False,
+    ) -> None:
+        """Collective: the copies made equal and, with ``data_parallel="fsdp"``, the stage's layers sharded (the
+        first time); metrics, gradient reduction and precision plugin pointed at the pipeline's groups. Runs after
+        the precision plugin converted the module: a layer is sharded in the dtype it trains in."""
         mesh = self.mesh
         if self.copies is None:
             self.copies = WeightCopies(
@@ -154,13 +172,34 @@ class RankPipeline:
             )
             self.copies.broadcast_initial_state()
             self.held_buffers = HeldBuffers(module, self.stage, mesh.pp_group, mesh.header_group)
+            if data_parallel == "fsdp":
+                self.sharded = _shard(self.stage, self.copies.copied, mesh, reshard_after_forward)
         sync_metrics_over(module, mesh.dp_group)
-        # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere.
-        params, copied = list(module.parameters()), self.copies.copied
+        # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere; the
+        # sharded layers' are reduce-scattered by FSDP.
+        params = [p for p in module.parameters() if not isinstance(p, DTensor)]
+        copied = self.copies.copied
         hierarchy, votes = mesh.dp_hierarchy, mesh.dp_cpu_group  # the votes on gloo: no wait for the GPU per step
         self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes, hierarchy, votes)
         self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes, hierarchy, vote_group=votes)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
+
+    def begin_step(self) -> None:
+        """Before a training step: the sharded layers' gradients accumulate whole until :meth:`reduce`."""
+        if self.sharded is not None:
+            self.sharded.begin()
+            self._shards_pending = True
+
+    def _reduce_shards(self) -> None:
+        if self.sharded is not None and self._shards_pending:
+            self._shards_pending = False
+            with self.stage.timeline.record("reduce"):
+                self.sharded.reduce()
+
+    def end_evaluation_step(self) -> None:
+        """After a validation, test or predict step: the sharded layers let go of their gathered weights."""
+        if self.sharded is not None:
+            self.sharded.reshard()
 
     def sync_held_buffers(self) -> None:
         """After a training step: the buffers its layers changed, copied to their holders on the other stages."""
@@ -194,23 +233,42 @@ class RankPipeline:
             own: list[PendingReduction] = []
             if drain:
                 # The own gradients' buckets leave before the drain's status check waits for the slowest stage.
-                stage.backward(drained=(lambda: own.append(dp_reduce.start())) if reduce else None)
+                def drained() -> None:
+                    self._reduce_shards()
+                    own.append(dp_reduce.start())
+
+                stage.backward(drained=drained if reduce else None)
         if reduce:
             self.reduce(own[0] if own else None)
 
     def early_reduction(self) -> EarlyReduction:
         """The reduction of a step whose gradients are the only ones in ``.grad``, overlapped with its backward:
         this stage's own buckets leave during its last backward op, as their gradients end (see ``ready_buckets``)."""
-        assert self._ready is not None, "connect() first"
-        return EarlyReduction(self._ready.arm, self._ready.launch_rest, self.reduce)
+        ready = self._ready
+        assert ready is not None, "connect() first"
+
+        def launch_rest() -> PendingReduction:
+            self._reduce_shards()
+            return ready.launch_rest()
+
+        return EarlyReduction(ready.arm, launch_rest, self.reduce)
 
     def reduce(self, started: PendingReduction | None = None) -> None:
         """Sum the gradients of weights with copies on other stages, average every gradient over the replicas
         (``started``: the own buckets already on their way)."""
         dp_reduce, copies = self._dp_reduce, self.copies
         assert dp_reduce is not None and copies is not None, "connect() first"
+        self._reduce_shards()
         with self.stage.timeline.record("reduce"):
             dp_reduce.finish(started if started is not None else dp_reduce.start(), copies.sum_gradients)
+
+
+def _shard(stage: GPipeStage, copied: Sequence[nn.Parameter], mesh: PipelineMesh, reshard: bool) -> ShardedLayers:
+    """The stage's layers sharded over the replicas, except those holding a weight with a copy on another stage (tied
+    across stages, or shared with a module outside the backbone): summed over the pipeline, they stay whole."""
+    ids = {id(p) for p in copied}
+    layers = [layer for layer in stage.children() if not any(id(p) in ids for p in layer.parameters())]
+    return ShardedLayers(layers, mesh.device_mesh["data_parallel"], reshard_after_forward=reshard)
 
 
 def _plan(

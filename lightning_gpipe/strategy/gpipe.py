@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -32,6 +32,7 @@ from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
     CheckBatches,
     DataLoading,
+    DataParallel,
     DpReduction,
     StrategyBalance,
     check_arguments,
@@ -114,6 +115,13 @@ class GPipeStrategy(ParallelStrategy):
         data_loading: ``"every_stage"`` iterates each stage's own loader; ``"first_stage"`` iterates it on stage 0
             only, in a thread up to two batches ahead, and broadcasts each batch to the other stages of its
             pipeline (one input pipeline per pipeline: 1/K of the loading work, no per-stage augmentation to match).
+        data_parallel: how the replicas of a stage hold it: ``"ddp"``, each a whole copy (gradients all-reduced in
+            buckets); ``"fsdp"``, each a shard of every layer of its stage (torch's ``fully_shard`` over the
+            data-parallel dimension of the mesh): parameters, gradients and optimizer states ÷ dp, each layer gathered
+            once a step for all M micro-batches and its gradient reduce-scattered once, after the stage's last
+            backward work. Modules outside the backbone, and layers holding a weight tied across stages, stay whole.
+        reshard_after_forward: with ``"fsdp"``, free a layer's gathered weights after each forward and gather them
+            again for its backward: less memory, 2M + 1 gathers a step instead of one.
     """
 
     strategy_name = "gpipe"
@@ -141,10 +149,13 @@ class GPipeStrategy(ParallelStrategy):
         virtual_stages: int = 1,
         data_parallel_reduction: DpReduction = "auto",
         data_loading: DataLoading = "every_stage",
+        data_parallel: DataParallel = "ddp",
+        reshard_after_forward: bool = False,
     ) -> None:
         super().__init__()
         self.trace_steps: tuple[int, ...] = check_arguments(locals())  # raises on a bad value
         self.data_parallel_reduction, self.data_loading = data_parallel_reduction, data_loading
+        self.data_parallel, self.reshard_after_forward = data_parallel, reshard_after_forward
         self._feed: BatchFeed | None = None
         self.pipeline_loss, self.schedule, self.virtual_stages = pipeline_loss, schedule, virtual_stages
         self._loss_inside: PipelineLoss | None = None
@@ -322,7 +333,8 @@ class GPipeStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
         bucket_bytes = int(self.bucket_cap_mb * 2**20)
-        self._rank_pipeline.connect(module, self.precision_plugin, self.root_device, bucket_bytes)
+        sharding = (self.data_parallel, self.reshard_after_forward)
+        self._rank_pipeline.connect(module, self.precision_plugin, self.root_device, bucket_bytes, *sharding)
 
     @contextmanager
     @override
@@ -365,6 +377,7 @@ class GPipeStrategy(ParallelStrategy):
         audit = self._rank_pipeline.step_audit
         if audit is not None:
             audit.start_step(batch)
+        self._rank_pipeline.begin_step()
         with abort_on_error(stage):
             self._batch_check(batch, trainer.current_epoch, mesh.K, mesh.header_group)
             if self._loss_inside is None:
@@ -387,18 +400,20 @@ class GPipeStrategy(ParallelStrategy):
         with abort_on_error(self.stage), self._evaluation_step():
             return self._from_last_stage(super().test_step(*args, **kwargs))
 
-    def _evaluation_step(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def _evaluation_step(self) -> Generator[None, None, None]:
         # With the loss inside, an output given straight to pipeline_loss stays on the last stage.
-        return (
-            nullcontext()
-            if self._loss_inside is None
-            else self._loss_inside.evaluation_step(self._trainer.lightning_module)
-        )
+        loss = self._loss_inside
+        with nullcontext() if loss is None else loss.evaluation_step(self._trainer.lightning_module):
+            yield
+        self._rank_pipeline.end_evaluation_step()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with abort_on_error(self.stage):
-            return super().predict_step(*args, **kwargs)
+            output = super().predict_step(*args, **kwargs)
+        self._rank_pipeline.end_evaluation_step()
+        return output
 
     def _from_last_stage(self, step_output: Any) -> Any:
         module, mesh = self._trainer.lightning_module, self._mesh

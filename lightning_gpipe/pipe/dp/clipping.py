@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe.dp.grads import collective_device, group_size, trainable
 
@@ -50,19 +51,32 @@ def global_grad_norm(
     device = _norm_device(owned + replicated, pp_group)
     # Keyed on the parameters, not their grads: the dtype must not depend on which grads this step produced.
     dtype = functools.reduce(torch.promote_types, [_norm_dtype(p.dtype) for p in owned + replicated], torch.float32)
-    norms = [
-        torch.linalg.vector_norm(p.grad, norm_type, dtype=_norm_dtype(p.grad.dtype)).to(device, dtype)
-        for p in counted
-        if p.grad is not None
-    ]
-    local = torch.zeros((), dtype=dtype, device=device)
+    # A sharded parameter (FSDP2's DTensor) contributes its shard here; the shards' sum over their replicas follows.
+    shards = [p for p in counted if isinstance(p, DTensor)]
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    local = _local_share([p for p in counted if not isinstance(p, DTensor)], norm_type, device, dtype)
+    if shards:
+        shared = _local_share(shards, norm_type, device, dtype).to(torch.float64)
+        dist.all_reduce(shared, op=op, group=shards[0].device_mesh.get_group())
+        local = torch.stack([local, shared.to(dtype)]).max() if math.isinf(norm_type) else local + shared.to(dtype)
     if math.isinf(norm_type):
-        if norms:
-            local = torch.stack(norms).max()
-        return _over_pipeline(local, dist.ReduceOp.MAX, pp_group)
-    if norms:
-        local = torch.stack(norms).pow(norm_type).sum()
-    return _over_pipeline(local, dist.ReduceOp.SUM, pp_group).pow(1.0 / norm_type)
+        return _over_pipeline(local, op, pp_group)
+    return _over_pipeline(local, op, pp_group).pow(1.0 / norm_type)
+
+
+def _local_share(params: Sequence[nn.Parameter], norm_type: float, device: torch.device, dtype: torch.dtype) -> Any:
+    """Σ ‖g‖_p^p (max ‖g‖ for p = inf) over the grads of ``params`` held here (a sharded one's local shard)."""
+    grads = [_held(p.grad) for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=_norm_dtype(g.dtype)).to(device, dtype) for g in grads]
+    if not norms:
+        return torch.zeros((), dtype=dtype, device=device)
+    stacked = torch.stack(norms)
+    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: its local shard if sharded (a view: in-place changes reach the DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _over_pipeline(local: torch.Tensor, op: Any, pp_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -89,5 +103,11 @@ def clip_grad_norm_(
     """Scale all grads (owned and replicated) so that the global norm is at most ``max_norm``; returns the norm
     before clipping (see :func:`global_grad_norm`)."""
     total = global_grad_norm(owned, replicated, norm_type, pp_group, count_replicated)
-    torch.nn.utils.clip_grads_with_norm_(trainable([*owned, *replicated]), max_norm, total)
+    params = trainable([*owned, *replicated])
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if not isinstance(p, DTensor)], max_norm, total)
+    # The same scaling on the shards that clip_grads_with_norm_ applies (it cannot mix DTensors with tensors).
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if isinstance(p, DTensor) and p.grad is not None:
+            _held(p.grad).mul_(scale.to(p.grad.device))
     return total

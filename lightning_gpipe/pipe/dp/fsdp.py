@@ -54,3 +54,8 @@ class ShardedLayers:
             unit.set_is_last_backward(True)
             unit.set_reshard_after_backward(True)
             fsdp_post_backward(unit)  # type: ignore[arg-type]
+
+    def reshard(self) -> None:
+        """After a step without backward (evaluation): each layer's gathered parameters freed."""
+        for unit in self.units:
+            unit.reshard()

@@ -1,0 +1,132 @@
+"""GPipeStrategy(data_parallel="fsdp"): pp = 2 × dp = 2 with each replica holding a shard of its stage is the same run
+as one device (float64, AdamW, different data per replica), for every schedule with the loss inside and outside."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from tests.helpers import models
+from tests.helpers.launch import quiet_trainer, run_distributed
+from tests.helpers.pipeline_loss_fit import Shards
+from tests.helpers.tiny_fit import BATCH, STEPS, TinyHooked, TinyPipelined, dataset
+
+TOL = 1e-9
+
+
+def _module(case: dict[str, Any]) -> Any:
+    """The tiny module with the case's loss path, backbone and optimizer; its losses recorded per step."""
+
+    class Module(TinyPipelined if case["schedule"] is None else TinyHooked):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.losses: list[float] = []
+            if case.get("model") == "tied":  # a weight tied between the first and the last stage's layers
+                self.backbone[7].weight = self.backbone[0][0].weight
+            if case.get("model") == "bn":
+                torch.manual_seed(5)
+                self.backbone = models.with_bn()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            if case.get("optimizer") == "sgd":  # scale-sensitive: a wrong clipping norm shows
+                return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            # Adam's moments are held as shards too; the decay touches every weight.
+            return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+    return Module()
+
+
+def _fit(module: Any, devices: int, strategy: Any, case: dict[str, Any], dp: int) -> None:
+    trainer = quiet_trainer(
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        precision="64-true",
+        gradient_clip_val=case.get("clip"),
+        sync_batchnorm=case.get("model") == "bn" and devices > 1,
+    )
+    loader = (
+        DataLoader(dataset(), batch_size=BATCH)
+        if devices > 1
+        else DataLoader(dataset(), batch_size=BATCH * dp, sampler=Shards(dp))
+    )
+    trainer.fit(module, loader)
+
+
+def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    module = _module(case)
+    options = {"schedule": case["schedule"]} if case["schedule"] else {"pipeline_loss": False}
+    strategy = GPipeStrategy(
+        chunks=case.get("chunks", 4),
+        pipeline_parallel_size=2,
+        data_parallel="fsdp",
+        virtual_stages=case.get("v", 1),
+        activation_checkpointing=case.get("checkpoint", "except_last"),
+        **options,
+    )
+    _fit(module, world_size, strategy, case, dp=2)
+    sharded = {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)}
+    plain = _module(case)
+    _fit(plain, 1, "auto", case, dp=2)  # the plain run on this process, the replicas' batches joined
+    expected = dict(plain.state_dict())
+    mine = module.state_dict()  # parameters and BatchNorm's running statistics, of this stage and outside
+    weights = {
+        n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().sub(expected[n]).abs().max().item()
+        for n, t in mine.items()
+        if t.is_floating_point()
+    }
+    return {
+        "weights": max(weights.values()),
+        "sharded": sorted(sharded),
+        "losses": module.losses,
+        "plain_losses": plain.losses,
+    }
+
+
+CASES = [
+    {"schedule": None},
+    {"schedule": None, "clip": 0.05, "optimizer": "sgd", "checkpoint": "always"},
+    {"schedule": "gpipe", "chunks": 3},  # 6 samples a replica in 3 micro-batches; the next case's 4: uneven
+    {"schedule": "1f1b", "clip": 0.05, "optimizer": "sgd"},
+    {"schedule": "zb-h1", "model": "tied"},
+    {"schedule": "interleaved-1f1b", "v": 2, "checkpoint": "never"},
+    {"schedule": "gpipe", "model": "bn", "chunks": 1},  # BatchNorm synchronized over the replicas (M = 1)
+]
+
+
+def _id(case: dict[str, Any]) -> str:
+    return "-".join(f"{v}" for v in [case["schedule"] or "loss_outside", *list(case.values())[1:]])
+
+
+def _layers(names: list[str]) -> set[str]:
+    return {".".join(n.split(".")[:2]) for n in names}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_sharded_replicas_train_as_one_device(case: dict[str, Any]) -> None:
+    results = run_distributed(_worker, 4, case, timeout=280, lightning=True)
+    for rank, r in enumerate(results):
+        assert r["weights"] <= TOL, (rank, r)
+        # Backbone layers sharded; the prefix and head (on every stage) whole.
+        assert r["sharded"] and all(n.startswith("backbone.") for n in r["sharded"]), r["sharded"]
+    module = _module(case)
+    layers = _layers([n for n, p in module.named_parameters(remove_duplicate=False) if n.startswith("backbone.")])
+    tied = {"backbone.0", "backbone.7"} if case.get("model") == "tied" else set()  # summed over stages: whole
+    assert _layers([n for r in results for n in r["sharded"]]) == layers - tied
+    plain = results[0]["plain_losses"]
+    assert len(plain) == STEPS
+    for step in range(STEPS):  # each step's loss: the mean of the two replicas' (equal batch sizes)
+        mean = (results[0]["losses"][step] + results[2]["losses"][step]) / 2
+        assert abs(mean - plain[step]) <= TOL * max(1.0, abs(plain[step])), (step, mean, plain[step])
