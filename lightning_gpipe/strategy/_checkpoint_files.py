@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_gpipe.strategy import _optimizer_format as optimizer_format
 from lightning_gpipe.strategy._weight_copies import Owners
@@ -137,7 +138,7 @@ def save_single_file(
                 state[f"optimizer_{i}"] = optimizer_format.named_state(model, optimizer)
             else:
                 state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
-        return _to_cpu(state)
+        return _to_cpu(_whole(state))
 
     gathered = _gather(agreed(part, failed))
 
@@ -215,12 +216,14 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: li
             lambda: torch.load(path, map_location="cpu", weights_only=False),
             lambda causes: f"could not read the checkpoint {str(path)!r} ({causes})",
         )
-        state["state_dict"] = {k: v for k, v in full["state_dict"].items() if k in state["state_dict"]}
+        local = state["state_dict"]
+        state["state_dict"] = {k: _shard_like(v, local[k]) for k, v in full["state_dict"].items() if k in local}
         for i, saved in enumerate(full.get("optimizer_states", [])[: len(optimizers)]):
             if optimizer_format.is_plain(saved):
                 plain[i] = _plain_optimizer_state(path, saved, [lay[i] for lay in layouts], order, i)
             else:  # written by an earlier version: flattened to global names
-                state[f"optimizer_{i}"] = {k: v for k, v in saved.items() if k in state[f"optimizer_{i}"]}
+                local = state[f"optimizer_{i}"]
+                state[f"optimizer_{i}"] = {k: _shard_like(v, local[k]) for k, v in saved.items() if k in local}
         rest = {k: v for k, v in full.items() if k not in (*MODEL_STATES, "optimizer_states")}
         for name in MODEL_STATES[1:]:
             if isinstance(full.get(name), dict):
@@ -230,6 +233,7 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: li
     for i, optimizer in enumerate(optimizers):
         if i in plain:
             optimizer.load_state_dict(plain[i])
+            _shard_optimizer_state(optimizer)
         else:
             set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=_FLAT)
     return rest
@@ -290,6 +294,35 @@ def load_weights(path: Path, model: nn.Module, skip: tuple[str, ...] = ()) -> li
         state = {k: full[k] for k in tensors}  # full: torch.load's Any
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     return sorted(state)
+
+
+def _whole(obj: Any) -> Any:
+    """``obj`` with each sharded tensor (FSDP's DTensor) gathered whole: collective over its replicas, which must
+    hold the same structure, in the same order."""
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: _whole(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_whole(v) for v in obj)
+    return obj
+
+
+def _shard_like(value: Any, local: Any) -> Any:
+    """A whole tensor read from a file, as this rank holds it: its shard where ``local`` is sharded (no
+    communication: every replica read the whole tensor)."""
+    if isinstance(local, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value.to(local.device), local.device_mesh, local.placements, src_data_rank=None)
+    return value
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of a whole state: each sharded parameter's moments cut to its shard."""
+    for p, state in optimizer.state.items():
+        if isinstance(p, DTensor):
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    state[key] = _shard_like(value, p)
 
 
 def _to_cpu(obj: Any) -> Any:

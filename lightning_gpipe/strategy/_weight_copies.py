@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.dp.clipping import clip_grad_norm_
@@ -172,8 +173,14 @@ class Owners:
                 self.owner.setdefault(key, k)
 
     def owned(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """The entries of this rank's ``state`` (a model state dict) that this rank saves."""
-        return {k: v for k, v in state.items() if self.owner.get(k) == self.rank}
+        """The entries of this rank's ``state`` (a model state dict) that this rank saves: its owner's, and a sharded
+        tensor's (FSDP's DTensor) on every replica of its owner, each with its shard."""
+        stage = self.rank % self.K
+        return {
+            k: v
+            for k, v in state.items()
+            if self.owner.get(k) == self.rank or (isinstance(v, DTensor) and self.owner.get(k) == stage)
+        }
 
 
 class HeldBuffers:
