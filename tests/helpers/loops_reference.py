@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from lightning_gpipe.pipe import micro_batch_sizes
@@ -38,6 +39,7 @@ class Case:
     val_check_interval: int | None = None
     checkpoint: bool = False  # ModelCheckpoint(monitor="train_loss", save_top_k=1) every step
     sync_bn: bool = False  # Trainer(sync_batchnorm=True): micro-batch m normalized over all replicas' m-th ones
+    data_parallel: str = "ddp"  # GPipeStrategy(data_parallel=...): "fsdp" shards each stage over its replicas
 
 
 class BNNet(nn.Module):
@@ -70,6 +72,8 @@ def eval_dataset() -> TensorDataset:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative to ``b``'s largest magnitude; a shard (``data_parallel="fsdp"``) gathered whole first (collective)."""
+    a = a.full_tensor() if isinstance(a, DTensor) else a
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 

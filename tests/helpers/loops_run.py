@@ -48,6 +48,10 @@ WORLD2_CASES = (
 WORLD4_CASES = (
     Case("dp_accumulate_clip_norm", batches=4, accumulate=2, clip=0.05, evaluate=True),
     Case("sync_batchnorm", bn=True, sync_bn=True, batch=12, batches=2, evaluate=True),
+    # The replicas each hold a shard of their stage: the same runs.
+    Case("fsdp_accumulate_clip_norm", batches=4, accumulate=2, clip=0.05, evaluate=True, data_parallel="fsdp"),
+    Case("fsdp_manual_accumulate", batches=4, manual="accumulate", accumulate=2, data_parallel="fsdp"),
+    Case("fsdp_sync_batchnorm", bn=True, sync_bn=True, batch=12, batches=2, evaluate=True, data_parallel="fsdp"),
 )
 
 
@@ -150,7 +154,7 @@ def run_case(case: Case, world_size: int, workdir: str) -> dict[str, Any]:
     )
     trainer = quiet_trainer(
         devices=world_size,
-        strategy=GPipeStrategy(chunks=CHUNKS, pipeline_parallel_size=PP),
+        strategy=GPipeStrategy(chunks=CHUNKS, pipeline_parallel_size=PP, data_parallel=case.data_parallel),
         sync_batchnorm=case.sync_bn,
         max_epochs=1,
         limit_train_batches=case.batches,

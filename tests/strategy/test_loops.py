@@ -62,6 +62,18 @@ def test_gradient_accumulation_with_data_parallel_replicas() -> None:
 
 
 @pytest.mark.timeout(T)
+@pytest.mark.parametrize("name", ["fsdp_accumulate_clip_norm", "fsdp_manual_accumulate"])
+def test_sharded_replicas_accumulate_clip_and_step_manually(name: str) -> None:
+    """pp=2 × dp=2 with data_parallel="fsdp": gradients accumulate whole over the window and are reduce-scattered
+    once; clipping by the norm over stages and shards; manual_backward + opt.step() on the shards."""
+    per_rank = check_training(4, name)
+    assert [r["dp_rank"] for r in per_rank] == [0, 0, 1, 1]
+    assert per_rank[0]["metrics"]["train_loss"] != per_rank[2]["metrics"]["train_loss"]
+    if "clip" in name:
+        assert per_rank[0]["clipped"]
+
+
+@pytest.mark.timeout(T)
 @pytest.mark.parametrize("name", ["manual", "manual_accumulate", "manual_clip_norm"])
 def test_manual_optimization(name: str) -> None:
     """manual_backward + opt.step(); toggle_model(sync_grad=...) over a window of 2 batches; self.clip_gradients."""
@@ -110,9 +122,22 @@ def test_sync_batchnorm_over_data_parallel_replicas() -> None:
 
 
 @pytest.mark.timeout(T)
+def test_sync_batchnorm_over_sharded_replicas() -> None:
+    """The same with data_parallel="fsdp": BatchNorm's weights sharded, its running statistics whole on each replica."""
+    check_running_statistics(check_training(4, "fsdp_sync_batchnorm"))
+
+
+@pytest.mark.timeout(T)
 @pytest.mark.parametrize(
     ("world_size", "name"),
-    [(2, "evaluate"), (2, "batchnorm"), (4, "dp_accumulate_clip_norm"), (4, "sync_batchnorm")],
+    [
+        (2, "evaluate"),
+        (2, "batchnorm"),
+        (4, "dp_accumulate_clip_norm"),
+        (4, "sync_batchnorm"),
+        (4, "fsdp_accumulate_clip_norm"),
+        (4, "fsdp_sync_batchnorm"),
+    ],
 )
 def test_validate_test_predict(world_size: int, name: str) -> None:
     """After fit, the evaluation loops give the plain model's metrics and predictions, the same on every rank."""
