@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -75,8 +76,26 @@ def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         activation_checkpointing=case.get("checkpoint", "except_last"),
         **options,
     )
-    _fit(module, world_size, strategy, case, dp=2)
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    dist.all_gather_single, dist.reduce_scatter_single = (
+        counted("all_gather", gather),
+        counted("reduce_scatter", scatter),
+    )
+    try:
+        _fit(module, world_size, strategy, case, dp=2)
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
     sharded = {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)}
+    units = len(_layers(list(sharded)))
     plain = _module(case)
     _fit(plain, 1, "auto", case, dp=2)  # the plain run on this process, the replicas' batches joined
     expected = dict(plain.state_dict())
@@ -89,6 +108,8 @@ def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     return {
         "weights": max(weights.values()),
         "sharded": sorted(sharded),
+        "calls": calls,
+        "units": units,
         "losses": module.losses,
         "plain_losses": plain.losses,
     }
@@ -121,6 +142,8 @@ def test_sharded_replicas_train_as_one_device(case: dict[str, Any]) -> None:
         assert r["weights"] <= TOL, (rank, r)
         # Backbone layers sharded; the prefix and head (on every stage) whole.
         assert r["sharded"] and all(n.startswith("backbone.") for n in r["sharded"]), r["sharded"]
+        # Each sharded layer gathered once a step for all M micro-batches, its gradient reduce-scattered once.
+        assert r["calls"] == {"all_gather": STEPS * r["units"], "reduce_scatter": STEPS * r["units"]}, r["calls"]
     module = _module(case)
     layers = _layers([n for n, p in module.named_parameters(remove_duplicate=False) if n.startswith("backbone.")])
     tied = {"backbone.0", "backbone.7"} if case.get("model") == "tied" else set()  # summed over stages: whole
