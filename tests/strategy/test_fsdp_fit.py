@@ -153,3 +153,36 @@ def test_sharded_replicas_train_as_one_device(case: dict[str, Any]) -> None:
     for step in range(STEPS):  # each step's loss: the mean of the two replicas' (equal batch sizes)
         mean = (results[0]["losses"][step] + results[2]["losses"][step]) / 2
         assert abs(mean - plain[step]) <= TOL * max(1.0, abs(plain[step])), (step, mean, plain[step])
+
+
+def _precision_worker(rank: int, world_size: int, precision: str) -> dict[str, Any]:
+    """The same fit at pp = 2 × dp = 2 under ``precision``, replicas whole (ddp) and sharded (fsdp)."""
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    weights, dtypes = {}, {}
+    for data_parallel in ("ddp", "fsdp"):
+        module = _module({"schedule": "1f1b"})
+        strategy = GPipeStrategy(chunks=3, pipeline_parallel_size=2, schedule="1f1b", data_parallel=data_parallel)
+        trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS, precision=precision)
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+        params = dict(module.named_parameters())
+        weights[data_parallel] = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).float() for n, p in params.items()
+        }
+        dtypes[data_parallel] = sorted({str(p.dtype) for n, p in params.items() if isinstance(p, DTensor)})
+    worst = max(((weights["fsdp"][n] - w).abs().max() / w.abs().max()).item() for n, w in weights["ddp"].items())
+    return {"worst": worst, "dtypes": dtypes}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_precision_plugins_hold_under_sharding(precision: str) -> None:
+    """bf16-true shards the converted bf16 weights (and AdamW's moments with them); bf16-mixed keeps fp32 shards
+    and autocasts the gathered weights as the plain run does: the ddp run's weights either way (two replicas' sum
+    has one order, and halving it is exact, so bf16 too agrees to the bit; 1e-6 leaves room for neither)."""
+    results = run_distributed(_precision_worker, 4, precision, timeout=280, lightning=True)
+    want = "torch.bfloat16" if precision == "bf16-true" else "torch.float32"
+    for rank, r in enumerate(results):
+        assert r["dtypes"]["fsdp"] == [want], (rank, r)
+        assert r["worst"] <= 1e-6, (rank, r)
