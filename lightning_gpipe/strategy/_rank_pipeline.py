@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,7 +34,7 @@ from lightning_gpipe.strategy._partition_report import PartitionReport, WholeMod
 from lightning_gpipe.strategy._pipeline_loss_logs import sync_metrics_over
 from lightning_gpipe.strategy._step_results import abort_on_error
 from lightning_gpipe.strategy._trace import StepTracer
-from lightning_gpipe.strategy._weight_copies import HeldBuffers, WeightCopies, fit_to_pipeline
+from lightning_gpipe.strategy._weight_copies import HeldBuffers, WeightCopies, fit_to_pipeline, outside_parameters
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,7 @@ class RankPipeline:
         sync_batchnorm: bool,
         init_record: InitRecord | None,
         broadcast: Callable[[Any], Any],
+        sharding: tuple[DataParallel, bool] = ("ddp", False),
     ) -> RankPipeline:
         """Replace ``backbone`` (at ``path``, and every other reference to it in ``module``) with this rank's stage.
 
@@ -126,7 +127,8 @@ class RankPipeline:
         (its aliases, shared weights and weight averages, parameter names and counts, whether it is on the meta
         device); the split balanced; this rank's stage made; every reference handed over to it; a module built on the
         meta device (configure_model under the strategy) materialized, only this rank's share of it, as
-        ``init_record`` says it was initialized; BatchNorm synchronized over the replicas.
+        ``init_record`` says it was initialized -- with ``sharding`` ("fsdp", reshard_after_forward) one layer at a
+        time, each sharded over the replicas before the next is made; BatchNorm synchronized over the replicas.
         """
         K, rank, v = mesh.K, mesh.rank, options.virtual_stages
         check_interleaving(K, options.chunks, options.schedule, v)  # on every rank, before any collective
@@ -146,12 +148,24 @@ class RankPipeline:
         averages.follow(stage)
         report = PartitionReport(whole_model, plan, stage.balance, costs, ranks=K)
         step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
+        sharded = None
         if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
             seed = broadcast(torch.initial_seed())
-            materialize(module, whole, device, seed, init_record)
+            if sharding[0] == "fsdp":  # memory ∝ this rank's shard, and one whole layer
+
+                def made(layers: Iterable[nn.Module]) -> Iterator[nn.Module]:
+                    for layer in layers:
+                        materialize(layer, whole, device, seed, init_record)
+                        yield layer
+
+                copied = [*outside_parameters(module, stage), *(p for _, _, p in stage.shared if p is not None)]
+                sharded = _shard(stage, copied, mesh, sharding[1], made)
+            materialize(module, whole, device, seed, init_record)  # the rest: modules outside, layers left whole
         if sync_batchnorm:  # per-micro-batch statistics over the replicas of this stage
             sync_deferred_batch_norm(stage, mesh.dp_group)
-        return cls(stage, mesh, step_audit, names, report)
+        pipeline = cls(stage, mesh, step_audit, names, report)
+        pipeline.sharded = sharded
+        return pipeline
 
     def connect(
         self,
@@ -172,7 +186,7 @@ class RankPipeline:
             )
             self.copies.broadcast_initial_state()
             self.held_buffers = HeldBuffers(module, self.stage, mesh.pp_group, mesh.header_group)
-            if data_parallel == "fsdp":
+            if data_parallel == "fsdp" and self.sharded is None:  # after the broadcast: replica 0's values
                 self.sharded = _shard(self.stage, self.copies.copied, mesh, reshard_after_forward)
         sync_metrics_over(module, mesh.dp_group)
         # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere; the
@@ -263,12 +277,19 @@ class RankPipeline:
             dp_reduce.finish(started if started is not None else dp_reduce.start(), copies.sum_gradients)
 
 
-def _shard(stage: GPipeStage, copied: Sequence[nn.Parameter], mesh: PipelineMesh, reshard: bool) -> ShardedLayers:
+def _shard(
+    stage: GPipeStage,
+    copied: Sequence[nn.Parameter],
+    mesh: PipelineMesh,
+    reshard: bool,
+    made: Callable[[Iterable[nn.Module]], Iterable[nn.Module]] = iter,
+) -> ShardedLayers:
     """The stage's layers sharded over the replicas, except those holding a weight with a copy on another stage (tied
-    across stages, or shared with a module outside the backbone): summed over the pipeline, they stay whole."""
+    across stages, or shared with a module outside the backbone): summed over the pipeline, they stay whole.
+    ``made`` yields each layer ready to shard (materialized), in order."""
     ids = {id(p) for p in copied}
     layers = [layer for layer in stage.children() if not any(id(p) in ids for p in layer.parameters())]
-    return ShardedLayers(layers, mesh.device_mesh["data_parallel"], reshard_after_forward=reshard)
+    return ShardedLayers(made(layers), mesh.device_mesh["data_parallel"], reshard_after_forward=reshard)
 
 
 def _plan(

@@ -79,7 +79,10 @@ class WeightCopies:
     def broadcast_initial_state(self) -> None:
         """Replicas start identical (replica 0's values), and so do copies on several stages (stage 0's, or the
         first holder's): as DDP does, so that an unseeded model still trains as one model."""
-        tensors = [t.detach() for t in (*self.module.parameters(), *self.module.buffers())]
+        # A shard (FSDP's DTensor, from a meta-device build) was materialized alike on every replica, each its part.
+        tensors = [
+            t.detach() for t in (*self.module.parameters(), *self.module.buffers()) if not isinstance(t, DTensor)
+        ]
         _broadcast(tensors, self.dp_group)
         _broadcast([p.detach() for p in self.replicated], self.pp_group)
         for group, params in self.tied:

@@ -319,7 +319,8 @@ class GPipeStrategy(ParallelStrategy):
             return False
         record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
         args = (StageOptions.of(self), self._mesh, self.root_device, sync_batchnorm, record, self.broadcast)
-        self._pipeline = RankPipeline.build(module, self.backbone, backbone, *args)
+        sharding = (self.data_parallel, self.reshard_after_forward)
+        self._pipeline = RankPipeline.build(module, self.backbone, backbone, *args, sharding)
         return True
 
     def _connect(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

@@ -66,12 +66,12 @@ class _Scale(nn.Module):
         return x * self.gain
 
 
-def _fit(module: pl.LightningModule, pp: int, world_size: int) -> pl.Trainer:
+def _fit(module: pl.LightningModule, pp: int, world_size: int, data_parallel: str = "ddp") -> pl.Trainer:
     from lightning_gpipe import GPipeStrategy
 
     trainer = quiet_trainer(
         devices=world_size,
-        strategy=GPipeStrategy(chunks=2, pipeline_parallel_size=pp),
+        strategy=GPipeStrategy(chunks=2, pipeline_parallel_size=pp, data_parallel=data_parallel),
         max_steps=1,
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
@@ -123,3 +123,61 @@ def test_configure_model_materializes_only_the_local_stage_with_layout_independe
     assert set(results[0][2]["state"]) & set(results[1][2]["state"]) >= {"head.weight", "prefix.weight"}
     # The tied weight, initialized on both stages (by both of its modules' initializers, in the model's order).
     assert results[1][2]["state"]["backbone.7.weight"] == results[0][2]["state"]["backbone.0.weight"]
+
+
+def sharded_meta_worker(rank: int, world_size: int) -> dict:
+    """pp = 2 × dp = 2, data_parallel="fsdp": at each layer's sharding, how many of the stage's layers are whole."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_gpipe.pipe.dp import fsdp
+
+    warnings.simplefilter("ignore")
+    pl.seed_everything(SEED, verbose=False)
+    module = Lazy()
+    whole_at_shard: list[int] = []
+    real_fully_shard = fsdp.fully_shard
+
+    def spy(layer: nn.Module, **kwargs: object) -> object:
+        stage = module.backbone
+        whole_at_shard.append(
+            sum(
+                any(not p.is_meta and not isinstance(p, DTensor) for p in m.parameters(recurse=True))
+                and not any(isinstance(p, DTensor) for p in m.parameters())
+                for m in stage.children()
+            )
+        )
+        return real_fully_shard(layer, **kwargs)
+
+    fsdp.fully_shard = spy  # type: ignore[assignment]
+    try:
+        _fit(module, 2, world_size, data_parallel="fsdp")
+    finally:
+        fsdp.fully_shard = real_fully_shard
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in module.state_dict().items()}
+    sharded = sorted({k.rsplit(".", 1)[0] for k, v in module.state_dict().items() if isinstance(v, DTensor)})
+    return {"meta": module.built_on_meta, "state": state, "whole_at_shard": whole_at_shard, "sharded": sharded}
+
+
+@pytest.mark.timeout(200)
+def test_configure_model_with_sharded_replicas_makes_one_layer_at_a_time() -> None:
+    """Each rank makes its stage's layers one by one, each sharded before the next is made: at most one whole layer
+    beside the shards; the weights are those of every other layout (the plain materialization's)."""
+    from lightning_gpipe.strategy._materialize import materialize, record_init
+
+    results = run_distributed(sharded_meta_worker, 4, timeout=180, lightning=True)
+    with torch.device("meta"), record_init() as record:
+        plain = build()
+    materialize(plain, dict(plain.named_modules()), torch.device("cpu"), SEED, record)
+    want = {k: v.tolist() for k, v in plain.state_dict().items()}
+    params = dict(plain.named_parameters(remove_duplicate=False))
+    for rank, r in enumerate(results):
+        assert r["meta"] is True, rank
+        for name, value in r["state"].items():
+            if name in params:
+                assert value == want[name], (rank, name)
+        # Each sharding found one whole layer: the one being sharded (all of them at once would show 3, 2, 1).
+        assert r["whole_at_shard"] and set(r["whole_at_shard"]) == {1}, (rank, r["whole_at_shard"])
+    # The tied first and last layers stay whole (summed over the stages); the others are sharded.
+    stage0, stage1 = results[0]["sharded"], results[1]["sharded"]
+    assert "backbone.0" not in stage0 and "backbone.7" not in stage1, (stage0, stage1)
+    assert set(stage0) | set(stage1) == {"backbone.1", *(f"backbone.{i}.0" for i in range(2, 7))}, (stage0, stage1)
