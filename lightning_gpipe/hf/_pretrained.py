@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_gpipe.hf._backbone import CausalLMHead, HFLayer, require_transformers
 
@@ -63,7 +64,8 @@ def save_pretrained(backbone: nn.Module, folder: str | Path) -> None:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    mine = {name: t.detach() for name, t in named_hf_tensors(backbone)}
+    # A shard (GPipeStrategy(data_parallel="fsdp")) gathered whole, one tensor at a time: every replica joins.
+    mine = {name: _whole(t.detach()) for name, t in named_hf_tensors(backbone)}
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     held: list[Any] = [{n: t.nelement() * t.element_size() for n, t in mine.items()}]
@@ -169,13 +171,29 @@ def load_pretrained(backbone: nn.Module, folder: str | Path) -> None:
             file = weight_map[source]
             if file not in files:
                 files[file] = _SafetensorsFile(folder / file)
-            files[file].read_into(source, tensor)
+            _read(files[file], source, tensor)
     if missing:
         raise KeyError(
             f"{folder} lacks {len(missing)} of this rank's weights ({', '.join(missing[:5])}"
             f"{' …' if len(missing) > 5 else ''}): it was saved from another model than the config this backbone "
             "was built from"
         )
+
+
+def _whole(t: Tensor) -> Tensor:
+    return t.full_tensor().cpu() if isinstance(t, DTensor) else t
+
+
+def _read(file: _SafetensorsFile, name: str, tensor: Tensor) -> None:
+    """``name`` into ``tensor``; into a shard, its part of the whole tensor (which every replica reads)."""
+    if not isinstance(tensor, DTensor):
+        file.read_into(name, tensor)
+        return
+    whole = torch.empty(tensor.shape, dtype=tensor.dtype)
+    file.read_into(name, whole)
+    mine = distribute_tensor(whole.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
+    with torch.no_grad():
+        tensor.to_local().copy_(mine.to_local())
 
 
 def _source(name: str, weight_map: dict[str, str], layer: HFLayer) -> str | None:
