@@ -58,35 +58,55 @@ def reference(dp: int) -> dict[str, torch.Tensor]:
     return {f"backbone.{k}": v.detach().clone() for k, v in net.named_parameters()}
 
 
-def fit_worker(rank: int, world_size: int, pp: int, balance: list[int] | None) -> dict[str, Any]:
+def fit_worker(
+    rank: int, world_size: int, pp: int, balance: list[int] | None, data_parallel: str = "ddp"
+) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")
     module = UNetModule()
-    strategy = GPipeStrategy(chunks=3, pipeline_parallel_size=pp, balance=balance or "parameters")
+    strategy = GPipeStrategy(
+        chunks=3, pipeline_parallel_size=pp, balance=balance or "parameters", data_parallel=data_parallel
+    )
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS, precision="64-true")
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     expected = reference(world_size // pp)
+    params = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in module.named_parameters()}
     errors = {
         name: ((p.detach() - expected[name]).abs().max() / expected[name].abs().max()).item()
-        for name, p in module.named_parameters()
+        for name, p in params.items()
     }
-    return {"max": max(errors.values()), "checked": len(errors), "ranges": list(strategy.stage.layer_range)}
+    sharded = sum(isinstance(p, DTensor) for p in module.parameters())
+    return {
+        "max": max(errors.values()),
+        "checked": len(errors),
+        "ranges": list(strategy.stage.layer_range),
+        "sharded": sharded,
+    }
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("world_size", "pp", "balance", "nccl_order"),
-    [(3, 3, [6, 2, 6], False), (4, 2, None, True)],
+    ("world_size", "pp", "balance", "nccl_order", "data_parallel"),
+    [(3, 3, [6, 2, 6], False, "ddp"), (4, 2, None, True, "ddp"), (4, 2, None, False, "fsdp")],
 )
 def test_unet_fit_is_the_plain_run(
-    world_size: int, pp: int, balance: list[int] | None, nccl_order: bool, monkeypatch: pytest.MonkeyPatch
+    world_size: int,
+    pp: int,
+    balance: list[int] | None,
+    nccl_order: bool,
+    data_parallel: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """K = 3; pp = 2 × dp = 2 (in the NCCL layout); pp = 2 × dp = 2 with each replica holding a shard of its stage."""
     if nccl_order:
         monkeypatch.setenv(ENV, "1")
-    results = run_distributed(fit_worker, world_size, pp, balance, timeout=280, lightning=True)
+    results = run_distributed(fit_worker, world_size, pp, balance, data_parallel, timeout=280, lightning=True)
     for rank, r in enumerate(results):
         assert r["max"] <= 1e-9 and r["checked"] >= 2, (rank, r)
+        assert (r["sharded"] > 0) == (data_parallel == "fsdp"), (rank, r)
     assert sorted({i for r in results for i in r["ranges"]}) == list(range(14))
 
 
