@@ -138,6 +138,13 @@ class RankPipeline:
         audit = BackboneAudit(module, backbone, path)
         averages = WeightAverages(module, backbone, path, audit.references, internals.averaged_copies(module))
         audit.findings += averages.findings
+        if sharding[0] == "fsdp" and averages.copies:  # on every rank alike: each found the same copies
+            raise ValueError(
+                "GPipeStrategy(data_parallel='fsdp') cannot keep a weight average of the backbone (an AveragedModel, "
+                "a timm EMA, or Lightning's WeightAveraging / StochasticWeightAveraging): its copy would hold whole "
+                "layers beside their shards, and averaging pairs each copy tensor with a live one. Use "
+                "data_parallel='ddp' with weight averaging, or drop the average"
+            )
         whole_model = WholeModel.read(module, path, backbone)
         on_meta = has_meta_tensors(module)
         whole = dict(module.named_modules()) if on_meta else {}

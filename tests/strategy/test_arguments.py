@@ -30,6 +30,9 @@ from lightning_gpipe import GPipeStrategy
         ({"check_batches": "sometimes"}, "choose one of ['first', 'always', 'never']"),
         ({"check_batches": True}, "choose one of ['first', 'always', 'never']"),
         ({"balance": "params"}, "choose one of ['auto', 'flops', 'time', 'parameters'], a list of layer counts"),
+        ({"data_parallel": "zero3"}, "choose 'ddp' (each replica holds its stage whole) or 'fsdp'"),
+        ({"reshard_after_forward": True}, "only data_parallel='fsdp' shards them; set data_parallel='fsdp'"),
+        ({"reshard_after_forward": "yes", "data_parallel": "fsdp"}, "give True or False"),
     ],
     ids=lambda v: repr(v) if isinstance(v, dict) else None,
 )

@@ -80,10 +80,10 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(backbone: nn.Module, data: TensorDataset, **trainer: Any) -> str:
+def _fit(backbone: nn.Module, data: TensorDataset, data_parallel: str = "ddp", **trainer: Any) -> str:
     from lightning_gpipe.strategy import GPipeStrategy
 
-    strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=2)
+    strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=2, data_parallel=data_parallel)
     fit = quiet_trainer(devices=2, strategy=strategy, max_steps=1, **trainer)
     try:
         fit.fit(Module(backbone), DataLoader(data, batch_size=BATCH))
@@ -103,6 +103,10 @@ def refusals_worker(rank: int, world_size: int) -> dict[str, str]:
     synced = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Linear(D, D))
     out["synced"] = _fit(synced, dataset(), sync_batchnorm=True)
     out["transition"] = _fit(torchvision.models.densenet._Transition(4, 4), images)
+    from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging
+
+    averaged = [EMAWeightAveraging(decay=0.8)]
+    out["averaged_fsdp"] = _fit(nn.Sequential(*_layers()), dataset(), "fsdp", callbacks=averaged)
     # Last: before, it failed inside a step, after which the processes were not reused.
     sync_bn = nn.Sequential(nn.Linear(D, D), nn.SyncBatchNorm(D), nn.Linear(D, D))
     out["sync_bn"] = _fit(sync_bn, dataset())
@@ -119,3 +123,6 @@ def test_refusals_stop_every_rank_at_setup_and_plain_subclasses_fit() -> None:
         assert "pass Trainer(sync_batchnorm=True)" in r["sync_bn"], r
         assert r["synced"] == "no error", r
         assert r["transition"] == "no error", r
+        # Before: the copy's whole layers met their shards inside torch ("got mixed torch.Tensor and DTensor").
+        assert r["averaged_fsdp"].startswith("ValueError: GPipeStrategy(data_parallel='fsdp') cannot keep a weight"), r
+        assert "Use data_parallel='ddp'" in r["averaged_fsdp"], r
