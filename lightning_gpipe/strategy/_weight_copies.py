@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import chain
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -259,7 +260,7 @@ def agree_on_loss_scaling(plugin: Precision, device: torch.device) -> None:
     if scaler is None or isinstance(scaler, ShardedGradScaler):
         return
     # ShardedGradScaler all-reduces found_inf over the world group (pipeline stages and replicas alike).
-    sharded = ShardedGradScaler(
+    sharded = _PipelineGradScaler(
         device=device.type,
         init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
         backoff_factor=scaler.get_backoff_factor(),
@@ -269,6 +270,28 @@ def agree_on_loss_scaling(plugin: Precision, device: torch.device) -> None:
     )
     # Any plugin that keeps a GradScaler there (MixedPrecision, or a user's own), as the getattr above reads it.
     setattr(plugin, "scaler", sharded)  # noqa: B010
+
+
+class _PipelineGradScaler(ShardedGradScaler):
+    """torch's ShardedGradScaler, unscaling a sharded gradient (data_parallel="fsdp": a DTensor beside whole ones,
+    which torch's kernel cannot take together) through its local shard, a view of it."""
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        groups = [
+            {"params": [SimpleNamespace(grad=_local(p.grad)) for p in group["params"]]}
+            for group in optimizer.param_groups
+        ]
+        return super()._unscale_grads_(SimpleNamespace(param_groups=groups), inv_scale, found_inf, allow_fp16)  # type: ignore[arg-type]
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def fit_to_pipeline(plugin: Precision, copies: WeightCopies, pp_group: dist.ProcessGroup, device: torch.device) -> None:

@@ -35,7 +35,7 @@ class Poison(nn.Module):
         return InfOnStep.apply(x)
 
 
-def fp16_worker(rank: int, world_size: int, hooked: bool) -> dict[str, object]:
+def fp16_worker(rank: int, world_size: int, hooked: bool, data_parallel: str = "ddp") -> dict[str, object]:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -57,21 +57,30 @@ def fp16_worker(rank: int, world_size: int, hooked: bool) -> dict[str, object]:
 
     trainer = quiet_trainer(
         devices=world_size,
-        strategy=GPipeStrategy(chunks=2, pipeline_parallel_size=2),
+        strategy=GPipeStrategy(chunks=2, pipeline_parallel_size=2, data_parallel=data_parallel),
         plugins=[MixedPrecision("16-mixed", ACCELERATOR)],
         max_steps=4,
         callbacks=[Watch()],
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
-    return {"scales": scales, "changed": changed, "scaler": type(trainer.precision_plugin.scaler).__name__}
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    # A ShardedGradScaler agrees on found_inf over the world: every stage skips a step that overflowed on one.
+    sharded = isinstance(trainer.precision_plugin.scaler, ShardedGradScaler)
+    return {"scales": scales, "changed": changed, "sharded_scaler": sharded}
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("hooked", [False, True], ids=["loss between the phases", "loss inside the pipeline"])
-def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(hooked: bool) -> None:
-    results = run_distributed(fp16_worker, 2, hooked, timeout=180, lightning=True)
+@pytest.mark.parametrize(
+    ("hooked", "data_parallel"),
+    [(False, "ddp"), (True, "ddp"), (True, "fsdp")],
+    ids=["loss between the phases", "loss inside the pipeline", "loss inside, sharded layers"],
+)
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(hooked: bool, data_parallel: str) -> None:
+    """GradScaler's unscale and inf check also over sharded gradients (FSDP's DTensors, dp = 1 here)."""
+    results = run_distributed(fp16_worker, 2, hooked, data_parallel, timeout=180, lightning=True)
     for r in results:
-        assert r["scaler"] == "ShardedGradScaler", r
+        assert r["sharded_scaler"], r
         assert r["changed"][INF_STEP] is False, r  # skipped, also on stage 1 whose own gradients were finite
         assert all(r["changed"][s] for s in range(len(r["changed"])) if s != INF_STEP), r
         assert r["scales"][INF_STEP] == r["scales"][INF_STEP - 1] / 2, r  # one back-off
