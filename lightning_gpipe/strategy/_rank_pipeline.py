@@ -292,9 +292,14 @@ def _shard(
     made: Callable[[Iterable[nn.Module]], Iterable[nn.Module]] = iter,
 ) -> ShardedLayers:
     """The stage's layers sharded over the replicas, except those holding a weight with a copy on another stage (tied
-    across stages, or shared with a module outside the backbone): summed over the pipeline, they stay whole.
-    ``made`` yields each layer ready to shard (materialized), in order."""
-    ids = {id(p) for p in copied}
+    across stages, or shared with a module outside the backbone: summed over the pipeline) or shared with another
+    layer of the stage (one FSDP unit per weight): they stay whole. ``made`` yields each layer ready to shard
+    (materialized), in order."""
+    holders: dict[int, int] = {}
+    for layer in stage.children():
+        for p in layer.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    ids = {id(p) for p in copied} | {i for i, n in holders.items() if n > 1}
     layers = [layer for layer in stage.children() if not any(id(p) in ids for p in layer.parameters())]
     return ShardedLayers(made(layers), mesh.device_mesh["data_parallel"], reshard_after_forward=reshard)
 

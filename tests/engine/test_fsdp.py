@@ -170,3 +170,20 @@ def test_adam_on_the_shards_is_the_plain_run_and_each_rank_holds_about_half() ->
     for rank, r in enumerate(run_distributed(_adam_worker, 4, timeout=100)):
         assert r["weights"] < 1e-12, (rank, r)
         assert r["held_over_ddp"] <= 0.55, (rank, r)
+
+
+def _sharing_worker(rank: int, world_size: int) -> str:
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    try:
+        ShardedLayers([first, second], init_device_mesh("cpu", (1,)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_layers_sharing_a_weight_are_refused() -> None:
+    """Two FSDP units over one weight would each gather it and reduce its gradient (silently wrong): refused."""
+    (message,) = run_distributed(_sharing_worker, 1, timeout=50)
+    assert "layer 1 (Linear) shares a parameter of shape (4, 4) with layer 0" in message, message

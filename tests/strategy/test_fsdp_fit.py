@@ -29,6 +29,8 @@ def _module(case: dict[str, Any]) -> Any:
             self.losses: list[float] = []
             if case.get("model") == "tied":  # a weight tied between the first and the last stage's layers
                 self.backbone[7].weight = self.backbone[0][0].weight
+            if case.get("model") == "tied_within":  # between two layers of the first stage
+                self.backbone[3].weight = self.backbone[1].weight
             if case.get("model") == "bn":
                 torch.manual_seed(5)
                 self.backbone = models.with_bn()
@@ -121,6 +123,7 @@ CASES = [
     {"schedule": "gpipe", "chunks": 3},  # 6 samples a replica in 3 micro-batches; the next case's 4: uneven
     {"schedule": "1f1b", "clip": 0.05, "optimizer": "sgd"},
     {"schedule": "zb-h1", "model": "tied"},
+    {"schedule": "1f1b", "model": "tied_within"},
     {"schedule": "interleaved-1f1b", "v": 2, "checkpoint": "never"},
     {"schedule": "gpipe", "model": "bn", "chunks": 1},  # BatchNorm synchronized over the replicas (M = 1)
 ]
@@ -146,7 +149,10 @@ def test_sharded_replicas_train_as_one_device(case: dict[str, Any]) -> None:
         assert r["calls"] == {"all_gather": STEPS * r["units"], "reduce_scatter": STEPS * r["units"]}, r["calls"]
     module = _module(case)
     layers = _layers([n for n, p in module.named_parameters(remove_duplicate=False) if n.startswith("backbone.")])
-    tied = {"backbone.0", "backbone.7"} if case.get("model") == "tied" else set()  # summed over stages: whole
+    # Summed over the stages, or one weight of two layers of a stage: whole.
+    tied = {"tied": {"backbone.0", "backbone.7"}, "tied_within": {"backbone.1", "backbone.3"}}.get(
+        case.get("model"), set()
+    )
     assert _layers([n for r in results for n in r["sharded"]]) == layers - tied
     plain = results[0]["plain_losses"]
     assert len(plain) == STEPS

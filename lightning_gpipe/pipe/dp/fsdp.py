@@ -33,11 +33,21 @@ class ShardedLayers:
         mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-        self.units: list[FSDPModule] = [
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-            for layer in layers
-            if any(True for _ in layer.parameters())
-        ]
+        self.units: list[FSDPModule] = []
+        seen: dict[int, int] = {}
+        for i, layer in enumerate(layers):
+            params = list(layer.parameters())
+            shared = [p for p in params if id(p) in seen]
+            if shared:  # two units would each gather and reduce it: wrong gradients, silently
+                raise ValueError(
+                    f"ShardedLayers: layer {i} ({type(layer).__name__}) shares a parameter of shape "
+                    f"{tuple(shared[0].shape)} with layer {seen[id(shared[0])]}; leave layers that share weights out "
+                    "(keep them whole)"
+                )
+            seen.update((id(p), i) for p in params)
+            if params:
+                unit = fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+                self.units.append(unit)
 
     def begin(self) -> None:
         """Before a step's first backward: gradients accumulate unsharded, nothing reduced or resharded by autograd."""
