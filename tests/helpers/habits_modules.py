@@ -208,6 +208,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 # The ViT with the loss inside, its batches loaded on stage 0 only and sent to stage 1.
 SCENARIOS["vit_fed"] = {**SCENARIOS["vit_inside"], "data_loading": "first_stage"}
+# Each replica holding a shard of its stage.
+SCENARIOS["fsdp_tied_frozen_unused"] = {**SCENARIOS["tied_frozen_unused"], "data_parallel": "fsdp"}
+SCENARIOS["fsdp_vit_inside"] = {**SCENARIOS["vit_inside"], "data_parallel": "fsdp"}
 
 
 def scenario_data(kind: str, n: int = 64) -> TensorDataset:  # 4 steps of 8 on each of 2 replicas

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import models
@@ -56,6 +57,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
         balance=spec.get("balance", "parameters"),
         save_distributed_checkpoint=False,
         data_loading=spec.get("data_loading", "every_stage"),
+        data_parallel=spec.get("data_parallel", "ddp"),
     )
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS)
     with warnings.catch_warnings(record=True) as caught:
@@ -65,7 +67,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
     trainer.save_checkpoint(ckpt)
     plain = plain_run(spec, world_size // PP)
     want = plain.state_dict()
-    got = module.state_dict()
+    got = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
     errors = {
         k: rel_err(v, want[k]) if v.is_floating_point() else float(not torch.equal(v, want[k])) for k, v in got.items()
     }
@@ -82,6 +84,7 @@ def fit_scenario(name: str, world_size: int, workdir: str) -> dict[str, Any]:
     stage = strategy.stage
     out["loss_inside"] = strategy._loss_inside is not None
     out["stage_numel"] = sum(p.numel() for p in stage.parameters())
+    out["sharded"] = sum(isinstance(p, DTensor) for p in stage.parameters())
     out["whole_numel"] = sum(p.numel() for p in spec["build"]()["vit" if "vit" in name else "backbone"].parameters())
     if name == "vit_alias":
         out["alias_is_stage"] = module.vit.blocks is stage and module.backbone is stage
@@ -209,7 +212,7 @@ def world_worker(rank: int, world_size: int, names: list[str]) -> dict[str, Any]
 WORLD2 = ["metrics_all", "vit_alias", "vit_dotted", "vit_inside", "vit_fed", "resnet_bn", "tied_frozen_unused",
           "frozen_backbone", "counter", "time_major", "metrics_placeholder",
           "loss_logging"]  # fmt: skip
-WORLD4 = ["metrics_all", "tied_frozen_unused"]
+WORLD4 = ["metrics_all", "tied_frozen_unused", "fsdp_tied_frozen_unused", "fsdp_vit_inside"]
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +277,17 @@ def test_pp2_equals_plain(world2: list[dict[str, Any]], name: str) -> None:
 def test_pp2_dp2_tied_frozen_unused(world4: list[dict[str, Any]]) -> None:
     _check_fit(world4, "tied_frozen_unused")
     assert all(w["tied_frozen_unused"]["moved"]["unused.weight"] == 0.0 for w in world4)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", ["fsdp_tied_frozen_unused", "fsdp_vit_inside"])
+def test_pp2_dp2_with_sharded_replicas(world4: list[dict[str, Any]], name: str) -> None:
+    """data_parallel="fsdp": a tie between the embedding outside and the last layer, a layer frozen mid-run and a
+    module never used (no gradient on any replica); timm's ViT blocks with the loss inside."""
+    _check_fit(world4, name)
+    assert all(w[name]["sharded"] for w in world4)
+    if name == "fsdp_tied_frozen_unused":
+        assert all(w[name]["moved"]["unused.weight"] == 0.0 for w in world4)
 
 
 @pytest.mark.timeout(420)
