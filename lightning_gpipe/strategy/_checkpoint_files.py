@@ -291,7 +291,7 @@ def load_weights(path: Path, model: nn.Module, skip: tuple[str, ...] = ()) -> li
         dcp.load(loaded, checkpoint_id=path)
         state = loaded["state_dict"]
     else:
-        state = {k: full[k] for k in tensors}  # full: torch.load's Any
+        state = {k: _shard_like(full[k], v) for k, v in tensors.items()}  # full: torch.load's Any
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     return sorted(state)
 

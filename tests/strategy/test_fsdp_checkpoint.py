@@ -69,7 +69,15 @@ def _worker(rank: int, world_size: int, folder: str, distributed: bool, saved: t
     resumed_trainer, resumed = _fit(loaded, world_size, distributed, ckpt_path=str(path))
     after = _named_state(resumed_trainer, resumed)
     sharded = sorted(n for n, p in resumed.named_parameters() if isinstance(p, DTensor))
-    return {"before": before, "after": after, "file_keys": file_keys, "sharded": sharded}
+    # The weights alone, into a run that starts afresh (fine-tuning): zeroed first, so that each must be read.
+    from lightning_gpipe.strategy._checkpoint_files import load_weights
+
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.zero_()
+    load_weights(path, resumed)
+    weights = {n: _whole(p) for n, p in resumed.named_parameters()}
+    return {"before": before, "after": after, "file_keys": file_keys, "sharded": sharded, "weights": weights}
 
 
 LAYOUTS = [
@@ -98,6 +106,8 @@ def test_sharded_checkpoints_resume_in_any_layout(
         # Each rank resumed its new stage with the values the old layout held: exactly, before any new step.
         assert r["after"], rank
         for name, value in r["after"].items():
+            assert value == whole[name], (rank, name)
+        for name, value in r["weights"].items():
             assert value == whole[name], (rank, name)
         if "fsdp" in loaded:
             assert r["sharded"] and all(n.startswith("backbone.") for n in r["sharded"]), r["sharded"]
