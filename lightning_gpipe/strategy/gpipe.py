@@ -121,7 +121,7 @@ class GPipeStrategy(ParallelStrategy):
             once a step for all M micro-batches and its gradient reduce-scattered once, after the stage's last
             backward work. Modules outside the backbone, and layers holding a weight tied across stages, stay whole.
         reshard_after_forward: with ``"fsdp"``, free a layer's gathered weights after each forward and gather them
-            again for its backward: less memory, 2M + 1 gathers a step instead of one.
+            again for its next forward or backward: less memory, M + 1 to 2M + 1 gathers a step instead of one.
     """
 
     strategy_name = "gpipe"

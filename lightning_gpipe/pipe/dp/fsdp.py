@@ -21,7 +21,9 @@ class ShardedLayers:
     turns FSDP's synchronization off), and :meth:`reduce`, once the stage's gradients are complete -- the engine's
     ``drained``, after zb-h1's deferred weight gradients too -- reduce-scatters each layer's gradient once and frees
     its whole parameters: one all-gather and one reduce-scatter per layer per step. With
-    ``reshard_after_forward=True`` a layer is gathered again for every backward (memory for traffic).
+    ``reshard_after_forward=True`` a layer is freed after each forward and gathered again for the next forward or
+    backward work: M + 1 to 2M + 1 gathers a step, by schedule and re-materialization (memory for traffic); its
+    gradient is still reduced once.
     """
 
     def __init__(
