@@ -30,6 +30,9 @@ DP_REDUCTIONS: tuple[DpReduction, ...] = get_args(DpReduction)
 # How the replicas of a stage hold it: each a whole copy (gradients all-reduced), or a shard of each layer (FSDP2).
 DataParallel = Literal["ddp", "fsdp"]
 DATA_PARALLELS: tuple[DataParallel, ...] = get_args(DataParallel)
+# Which ranks are neighbours: a pipeline's stages (d·K + k), or a stage's replicas (k·D + d); "auto" by data_parallel.
+Layout = Literal["stages_together", "replicas_together"]
+LAYOUTS: tuple[Layout | Literal["auto"], ...] = ("auto", *get_args(Layout))
 
 
 def check_arguments(a: dict[str, Any]) -> tuple[int, ...]:
@@ -51,6 +54,12 @@ def check_arguments(a: dict[str, Any]) -> tuple[int, ...]:
         )
     check_data_loading(a["data_loading"])
     check_sharding(a["data_parallel"], a["reshard_after_forward"])
+    if a["layout"] not in LAYOUTS:
+        raise ValueError(
+            f"GPipeStrategy(layout={a['layout']!r}): choose 'stages_together' (a pipeline's stages on consecutive "
+            "ranks), 'replicas_together' (a stage's replicas on consecutive ranks) or 'auto' (replicas together "
+            "with data_parallel='fsdp', stages together with 'ddp')"
+        )
     return check_trace_args(a["trace_dir"], a["trace_steps"])
 
 

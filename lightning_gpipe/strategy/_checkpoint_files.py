@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,13 +64,14 @@ def save(
     sharded: bool,
     order: list[str] | None,
     stage: nn.Module,
-    K: int,
+    stage_ranks: Sequence[Sequence[int]],
 ) -> None:
     """A folder (``sharded``) or one file; either raises the same error on every rank when any rank fails, so none
     is left waiting at a collective. ``order``: the plain module's parameter names in order, if known. Every key of
-    the module's state is written by its owner (``_weight_copies.Owners``: this rank's ``stage`` of ``K``)."""
+    the module's state is written by its owner (``_weight_copies.Owners``: this rank's ``stage``; ``stage_ranks``,
+    each stage's global ranks, replica 0 first)."""
     states = model_states(checkpoint, model)
-    owners = Owners(model, stage, K, {k for state in states.values() for k in state})
+    owners = Owners(model, stage, stage_ranks, {k for state in states.values() for k in state})
     mine = {name: owners.owned(state) for name, state in states.items()}
     if sharded:
         save_sharded(checkpoint, path, model, optimizers, rank, mine)

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_gpipe.pipe.comm.groups import runs_in_order
 from lightning_gpipe.pipe.dp.hierarchy import Hierarchy, build_hierarchies
-from lightning_gpipe.strategy._arguments import DpReduction
+from lightning_gpipe.strategy._arguments import DpReduction, Layout
 from lightning_gpipe.strategy._lightning_internals import init_dist_connection
 from lightning_gpipe.strategy._logger import logger
 
@@ -25,7 +25,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class PipelineMesh:
-    """Global rank ``rank = d·K + k`` is stage ``k`` of data-parallel replica ``d``.
+    """Global rank ``rank = d·K + k`` is stage ``k`` of data-parallel replica ``d`` (``layout="stages_together"``: a
+    pipeline's stages on consecutive ranks, so on one node where it has ≥ K devices), or ``rank = k·D + d``
+    (``"replicas_together"``: a stage's D replicas on consecutive ranks, so FSDP's gathers stay inside a node and the
+    pipeline crosses nodes). ``stage_ranks[k]``: stage k's global ranks, replica 0 first.
 
     ``pp_group`` holds the K stages of this rank's pipeline, ``dp_group`` the replicas of this rank's stage, and
     ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU (and
@@ -49,6 +52,7 @@ class PipelineMesh:
     timeout_s: float
     dp_hierarchy: Hierarchy | None = None
     input_group: dist.ProcessGroup | None = None
+    stage_ranks: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def join(
@@ -61,56 +65,58 @@ class PipelineMesh:
         per_node: int = 1,
         dp_reduction: DpReduction = "flat",
         input_group: bool = False,
+        layout: Layout = "stages_together",
     ) -> PipelineMesh:
         """Join the world's process group (as Lightning's strategies do), then lay the mesh out over it."""
         init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
         destroy_at_exit()
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        # Stages of one pipeline are consecutive ranks, so on multi-GPU nodes neighbours share a node.
-        shape, names = (world_size // K, K), ("data_parallel", "pipeline_parallel")
+        names = ("data_parallel", "pipeline_parallel")  # the outer dimension first: its neighbours are far apart
+        if layout == "replicas_together":
+            names = ("pipeline_parallel", "data_parallel")
+        shape = tuple(K if name == "pipeline_parallel" else world_size // K for name in names)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        pipelines, replicas = _rank_sets(mesh, "pipeline_parallel"), _rank_sets(mesh, "data_parallel")
         pp_group, dp_group = mesh["pipeline_parallel"].get_group(), mesh["data_parallel"].get_group()
-        header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _pipeline_groups(world_size, K, rank)
-        dp_cpu_group = dp_group if dist.get_backend(dp_group) == "gloo" else _replica_groups(world_size, K, rank)
+        header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _own_group(pipelines, rank)
+        dp_cpu_group = dp_group if dist.get_backend(dp_group) == "gloo" else _own_group(replicas, rank)
         upstream = pp_group
         if runs_in_order(pp_group):
-            upstream = _pipeline_groups(world_size, K, rank, backend=str(dist.get_backend(pp_group)))
+            upstream = _own_group(pipelines, rank, backend=str(dist.get_backend(pp_group)))
         # Its own group: the feed's thread broadcasts while the main thread talks on the others.
-        inputs = _pipeline_groups(world_size, K, rank) if input_group and K > 1 else None
+        inputs = _own_group(pipelines, rank) if input_group and K > 1 else None
         hierarchy = None
-        if hierarchical(dp_reduction, world_size, K, per_node):
-            dp_groups = [list(range(k, world_size, K)) for k in range(K)]
-            hierarchy = build_hierarchies(dp_groups, lambda r: r // per_node, rank)
+        if hierarchical(dp_reduction, replicas, per_node):
+            hierarchy = build_hierarchies(replicas, lambda r: r // per_node, rank)
             if rank == 0 and hierarchy is not None:
                 logger.info(
                     f"GPipeStrategy: data-parallel reduction in steps over {hierarchy.nodes} nodes: within each node, "
                     "among one rank per node, then back (data_parallel_reduction='hierarchical')"
                 )
         timeout_s = (timeout or default_pg_timeout).total_seconds()
-        return cls(
-            K, rank, mesh, pp_group, dp_group, header_group, dp_cpu_group, upstream, timeout_s, hierarchy, inputs
-        )
+        stages = tuple(tuple(r) for r in replicas)  # the groups of the dp dimension, ordered by stage
+        args = (pp_group, dp_group, header_group, dp_cpu_group, upstream, timeout_s, hierarchy, inputs, stages)
+        return cls(K, rank, mesh, *args)
 
 
-def hierarchical(dp_reduction: DpReduction, world_size: int, K: int, per_node: int) -> bool:
+def hierarchical(dp_reduction: DpReduction, replicas: list[list[int]], per_node: int) -> bool:
     """Whether the dp reduction goes in Jizhi's steps: asked for, or ``"auto"`` where replicas of a stage share a
-    node and others sit on other nodes (only then does a node's part save inter-node traffic)."""
+    node and others sit on other nodes (only then does a node's part save inter-node traffic). ``replicas``: each
+    stage's ranks."""
     if dp_reduction != "auto":
         return dp_reduction == "hierarchical"
-    return world_size > per_node and per_node > K
+    nodes = [[r // per_node for r in ranks] for ranks in replicas]
+    return any(len(set(n)) > 1 and len(set(n)) < len(n) for n in nodes)
 
 
-def _pipeline_groups(world_size: int, K: int, rank: int, backend: str = "gloo") -> dist.ProcessGroup:
-    """A new group per pipeline (K consecutive ranks); this rank's."""
-    return _own_group([list(range(start, start + K)) for start in range(0, world_size, K)], rank, backend)
+def _rank_sets(mesh: DeviceMesh, dim: str) -> list[list[int]]:
+    """The groups of ``mesh``'s dimension ``dim``, each in its order, in order of the other dimension."""
+    ranks = mesh.mesh
+    i = list(mesh.mesh_dim_names or ()).index(dim)
+    return ranks.movedim(i, -1).reshape(-1, ranks.size(i)).tolist()
 
 
-def _replica_groups(world_size: int, K: int, rank: int, backend: str = "gloo") -> dist.ProcessGroup:
-    """A new group per stage over its data-parallel replicas (the ranks of the mesh's dp groups); this rank's."""
-    return _own_group([list(range(k, world_size, K)) for k in range(K)], rank, backend)
-
-
-def _own_group(rank_sets: list[list[int]], rank: int, backend: str) -> dist.ProcessGroup:
+def _own_group(rank_sets: list[list[int]], rank: int, backend: str = "gloo") -> dist.ProcessGroup:
     mine = None
     for ranks in rank_sets:  # new_group is collective over the world: all create all, in the same order
         group = dist.new_group(ranks, backend=backend)

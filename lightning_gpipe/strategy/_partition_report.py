@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,15 +171,15 @@ def format_table(columns: Table) -> str:
     return "\n".join(rows)
 
 
-def stage_ranks(K: int, world_size: int, devices: list[Any], per_node: int, nodes: int) -> Callable[[int], str]:
-    """Stage k's global ranks d·K + k, each with its device (Lightning gives rank r ``devices[r % per_node]`` on node
-    ``r // per_node``)."""
+def stage_ranks(ranks: Sequence[Sequence[int]], devices: list[Any], per_node: int, nodes: int) -> Callable[[int], str]:
+    """Stage k's global ranks (``ranks[k]``), each with its device (Lightning gives rank r ``devices[r % per_node]``
+    on node ``r // per_node``)."""
 
     def device(r: int) -> str:
         where = str(devices[r % per_node]) if devices else "?"
         return f"node {r // per_node} {where}" if nodes > 1 else where
 
-    return lambda k: ", ".join(f"{r} ({device(r)})" for r in range(k, world_size, K))
+    return lambda k: ", ".join(f"{r} ({device(r)})" for r in ranks[k])
 
 
 def show(report: PartitionReport, trainer: Any, strategy: Any, log: bool) -> None:
@@ -187,7 +187,7 @@ def show(report: PartitionReport, trainer: Any, strategy: Any, log: bool) -> Non
     if log and strategy.global_rank == 0:
         devices = list(strategy.parallel_devices or [])
         per_node = max(1, strategy.num_processes)
-        report.log(stage_ranks(report.K_ranks, strategy.world_size, devices, per_node, strategy.num_nodes))
+        report.log(stage_ranks(strategy._mesh.stage_ranks, devices, per_node, strategy.num_nodes))
     summarize_with(trainer, lambda module, depth: PipelineSummary(module, report, depth))
 
 

@@ -189,7 +189,7 @@ class RankPipeline:
         mesh = self.mesh
         if self.copies is None:
             self.copies = WeightCopies(
-                module, self.stage, mesh.K, mesh.rank, mesh.pp_group, mesh.dp_group, mesh.header_group
+                module, self.stage, mesh.stage_ranks, mesh.rank, mesh.pp_group, mesh.dp_group, mesh.header_group
             )
             self.copies.broadcast_initial_state()
             self.held_buffers = HeldBuffers(module, self.stage, mesh.pp_group, mesh.header_group)

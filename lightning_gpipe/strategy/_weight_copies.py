@@ -27,7 +27,7 @@ _BROADCAST_BUCKET = 250 * 2**20  # DDP's default for its initial broadcast
 class WeightCopies:
     """Where each parameter of one rank has copies, and the collectives that keep the copies equal.
 
-    Three kinds, on the (dp × K) mesh where rank = d·K + k:
+    Three kinds, on the (dp × K) mesh (``stage_ranks[k]``: stage k's global ranks, replica 0 first):
 
     - every tensor of the module has copies on the other data-parallel replicas (the dp group);
     - parameters outside the backbone (an embedding before it, a head after it) have a copy on every stage, and so
@@ -46,7 +46,7 @@ class WeightCopies:
         self,
         module: nn.Module,
         stage: GPipeStage,
-        K: int,
+        stage_ranks: Sequence[Sequence[int]],
         rank: int,
         pp_group: Any,
         dp_group: Any,
@@ -61,14 +61,13 @@ class WeightCopies:
         self._tie_votes: list[Any] = []  # per entry of ``tied``: the gloo group over its ranks
         self._not_first_holder: set[int] = set()
         sets = list(dict.fromkeys(stages for _, stages, _ in stage.shared))
-        world = dist.get_world_size() if dist.is_initialized() else 1
         # A tie group has the world's backend: where that is not gloo, a twin over the same ranks takes the votes.
         twins = bool(sets) and dist.is_initialized() and dist.get_backend() != "gloo"
         for stages in sets:
             # A tied weight also used outside the backbone is summed over every stage already.
             params = [p for _, s, p in stage.shared if s == stages and p is not None and id(p) not in replicated]
-            for d in range(world // K):
-                ranks = [d * K + s for s in stages]
+            for d in range(len(stage_ranks[0])):
+                ranks = [stage_ranks[s][d] for s in stages]
                 group = dist.new_group(ranks)
                 votes = dist.new_group(ranks, backend="gloo") if twins else group
                 if rank in ranks:
@@ -151,21 +150,26 @@ def run_keys(model: nn.Module, stage: nn.Module) -> set[str]:
 
 
 class Owners:
-    """Every key's owner, from each rank's (keys held, keys its stage runs); ``K`` stages, rank = d·K + k.
+    """Every key's owning stage, from each rank's (keys held, keys its stage runs); ``stage_ranks[k]``: stage k's
+    global ranks, replica 0 first.
 
     A key the stages run is owned by the first stage that runs it; any other by the last stage; a key the last stage
-    lacks (a layer's extra state) by the first stage that holds it. Collective: every rank builds it.
+    lacks (a layer's extra state) by the first stage that holds it; of that stage's replicas, replica 0 saves it.
+    Collective: every rank builds it.
     """
 
-    def __init__(self, model: nn.Module, stage: nn.Module, K: int, keys: set[str]) -> None:
-        self.K = K
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+    def __init__(
+        self, model: nn.Module, stage: nn.Module, stage_ranks: Sequence[Sequence[int]], keys: set[str]
+    ) -> None:
+        K = len(stage_ranks)
+        self.stage_ranks, self.rank = stage_ranks, dist.get_rank() if dist.is_initialized() else 0
         mine = (sorted(keys), sorted(run_keys(model, stage) & keys))
         parts: list[Any] = [mine]
         if dist.is_initialized():
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, mine)
-        held, run = [set(p[0]) for p in parts[:K]], [p[1] for p in parts[:K]]
+        first = [parts[ranks[0]] for ranks in stage_ranks]  # replica 0's stages
+        held, run = [set(p[0]) for p in first], [p[1] for p in first]
         self.owner: dict[str, int] = {}
         for k in range(K):
             for key in run[k]:
@@ -179,11 +183,12 @@ class Owners:
     def owned(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The entries of this rank's ``state`` (a model state dict) that this rank saves: its owner's, and a sharded
         tensor's (FSDP's DTensor) on every replica of its owner, each with its shard."""
-        stage = self.rank % self.K
+        ranks = self.stage_ranks
         return {
             k: v
             for k, v in state.items()
-            if self.owner.get(k) == self.rank or (isinstance(v, DTensor) and self.owner.get(k) == stage)
+            if k in self.owner
+            and (ranks[self.owner[k]][0] == self.rank or (isinstance(v, DTensor) and self.rank in ranks[self.owner[k]]))
         }
 
 

@@ -34,6 +34,7 @@ from lightning_gpipe.strategy._arguments import (
     DataLoading,
     DataParallel,
     DpReduction,
+    Layout,
     StrategyBalance,
     check_arguments,
     check_world_size,
@@ -65,9 +66,10 @@ class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism (× data parallelism) for an ``nn.Sequential`` backbone of a LightningModule.
 
     The backbone is split into K stages, one process each; the other processes are data-parallel replicas of the
-    pipeline (global rank d·K + k is stage k of replica d). Each mini-batch runs as M micro-batches. A module that
-    defines ``pipeline_loss(self, output, batch)`` and calls ``self.pipeline_loss(self.backbone(x), batch)`` gets
-    its loss run per micro-batch on the last stage, inside the pipeline; an unchanged ``training_step`` still works
+    pipeline (global rank d·K + k is stage k of replica d, or k·D + d: ``layout``), each holding its stage whole or a
+    shard of it (``data_parallel``). Each mini-batch runs as M micro-batches. A module that defines
+    ``pipeline_loss(self, output, batch)`` and calls ``self.pipeline_loss(self.backbone(x), batch)`` gets its loss
+    run per micro-batch on the last stage, inside the pipeline; an unchanged ``training_step`` still works
     (the loss then runs on the whole output between the phases). Guide: ``docs/guide.md``.
 
     Args:
@@ -117,11 +119,17 @@ class GPipeStrategy(ParallelStrategy):
             pipeline (one input pipeline per pipeline: 1/K of the loading work, no per-stage augmentation to match).
         data_parallel: how the replicas of a stage hold it: ``"ddp"``, each a whole copy (gradients all-reduced in
             buckets); ``"fsdp"``, each a shard of every layer of its stage (torch's ``fully_shard`` over the
-            data-parallel dimension of the mesh): parameters, gradients and optimizer states ÷ dp, each layer gathered
-            once a step for all M micro-batches and its gradient reduce-scattered once, after the stage's last
-            backward work. Modules outside the backbone, and layers holding a weight tied across stages, stay whole.
+            data-parallel dimension of the mesh): between steps parameters, gradients and optimizer states ÷ dp.
+            Within a step each layer is gathered once for all M micro-batches and its gradient reduce-scattered
+            once, after the stage's last backward work: until then weights and gradients are whole, the optimizer
+            states ÷ dp always. Modules outside the backbone, and layers whose weights are tied or shared with
+            another layer or module, stay whole.
         reshard_after_forward: with ``"fsdp"``, free a layer's gathered weights after each forward and gather them
             again for its next forward or backward: less memory, M + 1 to 2M + 1 gathers a step instead of one.
+        layout: which ranks are neighbours (share a node): ``"stages_together"``, a pipeline's K stages (global rank
+            d·K + k is stage k of replica d; the data-parallel reduction crosses nodes); ``"replicas_together"``, a
+            stage's D replicas (rank k·D + d; FSDP's per-layer gathers stay inside a node, the pipeline's
+            activations cross nodes); ``"auto"``: replicas together with ``"fsdp"``, stages together with ``"ddp"``.
     """
 
     strategy_name = "gpipe"
@@ -151,11 +159,15 @@ class GPipeStrategy(ParallelStrategy):
         data_loading: DataLoading = "every_stage",
         data_parallel: DataParallel = "ddp",
         reshard_after_forward: bool = False,
+        layout: Layout | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         self.trace_steps: tuple[int, ...] = check_arguments(locals())  # raises on a bad value
         self.data_parallel_reduction, self.data_loading = data_parallel_reduction, data_loading
         self.data_parallel, self.reshard_after_forward = data_parallel, reshard_after_forward
+        self.layout: Layout = (
+            layout if layout != "auto" else "replicas_together" if data_parallel == "fsdp" else "stages_together"
+        )
         self._feed: BatchFeed | None = None
         self.pipeline_loss, self.schedule, self.virtual_stages = pipeline_loss, schedule, virtual_stages
         self._loss_inside: PipelineLoss | None = None
@@ -275,6 +287,7 @@ class GPipeStrategy(ParallelStrategy):
             max(1, self.num_processes),
             self.data_parallel_reduction,
             input_group=self.data_loading == "first_stage",
+            layout=self.layout,
         )
         assert self.lightning_module is not None
         internals.set_device_mesh(self.lightning_module, self._pipeline_mesh.device_mesh)
@@ -503,7 +516,7 @@ class GPipeStrategy(ParallelStrategy):
         assert self.model is not None
         pipeline = self._rank_pipeline
         sharded, order = self.save_distributed_checkpoint, pipeline.plain_parameter_names
-        args = (self.global_rank, sharded, order, pipeline.stage, pipeline.mesh.K)
+        args = (self.global_rank, sharded, order, pipeline.stage, pipeline.mesh.stage_ranks)
         checkpointing.save(checkpoint, path, self.model, self.optimizers, *args)
         self.barrier()
 

@@ -61,8 +61,15 @@ def test_dp_reduction_is_named_and_auto_goes_hierarchical_only_where_it_saves_tr
         ValueError, match=r"data_parallel_reduction='tree'\): choose one of \['auto', 'flat', 'hierarchical'\]"
     ):
         GPipeStrategy(data_parallel_reduction="tree")  # type: ignore[arg-type]
-    # (world size, K, processes per node): replicas of a stage on one node and on others only in the first.
-    assert hierarchical("auto", 8, 2, 4) and hierarchical("auto", 4, 1, 2)
-    assert not hierarchical("auto", 4, 2, 2)  # one replica of each stage per node
-    assert not hierarchical("auto", 4, 1, 4)  # one node
-    assert hierarchical("hierarchical", 4, 1, 4) and not hierarchical("flat", 8, 2, 4)
+
+    # Each stage's ranks, and processes per node: hierarchical where a stage's replicas share a node and span several.
+    def stages_together(world: int, K: int) -> list[list[int]]:
+        return [list(range(k, world, K)) for k in range(K)]
+
+    assert hierarchical("auto", stages_together(8, 2), 4) and hierarchical("auto", stages_together(4, 1), 2)
+    assert not hierarchical("auto", stages_together(4, 2), 2)  # one replica of each stage per node
+    assert not hierarchical("auto", stages_together(4, 1), 4)  # one node
+    # replicas_together at K = 2, D = 4 on nodes of 2: each stage's replicas on 2 nodes, 2 a node.
+    assert hierarchical("auto", [[0, 1, 2, 3], [4, 5, 6, 7]], 2)
+    assert not hierarchical("auto", [[0, 1, 2, 3], [4, 5, 6, 7]], 4)  # each stage's replicas on one node
+    assert hierarchical("hierarchical", stages_together(4, 1), 4) and not hierarchical("flat", stages_together(8, 2), 4)

@@ -47,7 +47,7 @@ def _module(case: dict[str, Any]) -> Any:
     return Module()
 
 
-def _fit(module: Any, devices: int, strategy: Any, case: dict[str, Any], dp: int) -> None:
+def _fit(module: Any, devices: int, strategy: Any, case: dict[str, Any], dp: int) -> Any:
     trainer = quiet_trainer(
         devices=devices,
         strategy=strategy,
@@ -62,6 +62,7 @@ def _fit(module: Any, devices: int, strategy: Any, case: dict[str, Any], dp: int
         else DataLoader(dataset(), batch_size=BATCH * dp, sampler=Shards(dp))
     )
     trainer.fit(module, loader)
+    return trainer
 
 
 def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +95,7 @@ def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         counted("reduce_scatter", scatter),
     )
     try:
-        _fit(module, world_size, strategy, case, dp=2)
+        trainer = _fit(module, world_size, strategy, case, dp=2)
     finally:
         dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
     sharded = {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)}
@@ -112,6 +113,8 @@ def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         "weights": max(weights.values()),
         "sharded": sorted(sharded),
         "calls": calls,
+        "dp_rank": trainer.strategy.device_mesh["data_parallel"].get_local_rank(),
+        "pp_rank": trainer.strategy.device_mesh["pipeline_parallel"].get_local_rank(),
         "units": units,
         "losses": module.losses,
         "plain_losses": plain.losses,
@@ -166,8 +169,11 @@ def test_sharded_replicas_train_as_one_device(case: dict[str, Any]) -> None:
     assert _layers([n for r in results for n in r["sharded"]]) == layers - tied
     plain = results[0]["plain_losses"]
     assert len(plain) == STEPS
+    # layout="auto" puts a stage's replicas on consecutive ranks under fsdp: rank k·D + d.
+    assert [(r["pp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    replicas = [r["losses"] for r in results if r["pp_rank"] == 0]
     for step in range(STEPS):  # each step's loss: the mean of the two replicas' (equal batch sizes)
-        mean = (results[0]["losses"][step] + results[2]["losses"][step]) / 2
+        mean = (replicas[0][step] + replicas[1][step]) / 2
         assert abs(mean - plain[step]) <= TOL * max(1.0, abs(plain[step])), (step, mean, plain[step])
 
 
@@ -179,7 +185,10 @@ def _precision_worker(rank: int, world_size: int, precision: str) -> dict[str, A
     weights, dtypes = {}, {}
     for data_parallel in ("ddp", "fsdp"):
         module = _module({"schedule": "1f1b"})
-        strategy = GPipeStrategy(chunks=3, pipeline_parallel_size=2, schedule="1f1b", data_parallel=data_parallel)
+        # One layout for both, so that each rank holds the same stage in the two runs.
+        strategy = GPipeStrategy(
+            chunks=3, pipeline_parallel_size=2, schedule="1f1b", data_parallel=data_parallel, layout="stages_together"
+        )
         trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=STEPS, precision=precision)
         trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
         params = dict(module.named_parameters())

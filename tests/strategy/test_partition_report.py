@@ -41,7 +41,7 @@ def test_the_table_names_each_stages_layers_parameters_cost_and_ranks() -> None:
         "GPipeStrategy: self.backbone split into 2 stages by forward FLOPs on one micro-batch of example_input_array; "
         f"the costliest stage is {2 * max(first, second) / (first + second):.2f}× the mean"
     )
-    ranks = stage_ranks(2, 4, [torch.device("cpu")] * 2, per_node=2, nodes=2)
+    ranks = stage_ranks([[0, 2], [1, 3]], [torch.device("cpu")] * 2, per_node=2, nodes=2)
     shares = [f"{100 * c / (first + second):.1f}%" for c in (first, second)]
     assert rows(report, ranks) == [
         ["Stage", "Layers", "Params", "Cost", "Share", "Ranks"],

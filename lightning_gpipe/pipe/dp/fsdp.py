@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 from torch import nn
@@ -36,17 +37,18 @@ class ShardedLayers:
     ) -> None:
         policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
         self.units: list[FSDPModule] = []
-        seen: dict[int, int] = {}
+        # Weakly: a sharded layer's former parameters must be freed, and a later one may then get the same id.
+        seen: dict[int, tuple[weakref.ref[nn.Parameter], int]] = {}
         for i, layer in enumerate(layers):
             params = list(layer.parameters())
-            shared = [p for p in params if id(p) in seen]
+            shared = [(p, seen[id(p)][1]) for p in params if id(p) in seen and seen[id(p)][0]() is p]
             if shared:  # two units would each gather and reduce it: wrong gradients, silently
                 raise ValueError(
                     f"ShardedLayers: layer {i} ({type(layer).__name__}) shares a parameter of shape "
-                    f"{tuple(shared[0].shape)} with layer {seen[id(shared[0])]}; leave layers that share weights out "
+                    f"{tuple(shared[0][0].shape)} with layer {shared[0][1]}; leave layers that share weights out "
                     "(keep them whole)"
                 )
-            seen.update((id(p), i) for p in params)
+            seen.update((id(p), (weakref.ref(p), i)) for p in params)
             if params:
                 unit = fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
                 self.units.append(unit)
