@@ -66,13 +66,16 @@ class _Scale(nn.Module):
         return x * self.gain
 
 
-def _fit(module: pl.LightningModule, pp: int, world_size: int, data_parallel: str = "ddp") -> pl.Trainer:
+def _fit(
+    module: pl.LightningModule, pp: int, world_size: int, data_parallel: str = "ddp", precision: str = "32-true"
+) -> pl.Trainer:
     from lightning_gpipe import GPipeStrategy
 
     trainer = quiet_trainer(
         devices=world_size,
         strategy=GPipeStrategy(chunks=2, pipeline_parallel_size=pp, data_parallel=data_parallel),
         max_steps=1,
+        precision=precision,
     )
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     return trainer
@@ -125,7 +128,7 @@ def test_configure_model_materializes_only_the_local_stage_with_layout_independe
     assert results[1][2]["state"]["backbone.7.weight"] == results[0][2]["state"]["backbone.0.weight"]
 
 
-def sharded_meta_worker(rank: int, world_size: int) -> dict:
+def sharded_meta_worker(rank: int, world_size: int, precision: str) -> dict:
     """pp = 2 × dp = 2, data_parallel="fsdp": at each layer's sharding, how many of the stage's layers are whole."""
     from torch.distributed.tensor import DTensor
 
@@ -150,25 +153,38 @@ def sharded_meta_worker(rank: int, world_size: int) -> dict:
 
     fsdp.fully_shard = spy  # type: ignore[assignment]
     try:
-        _fit(module, 2, world_size, data_parallel="fsdp")
+        _fit(module, 2, world_size, data_parallel="fsdp", precision=precision)
     finally:
         fsdp.fully_shard = real_fully_shard
-    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in module.state_dict().items()}
-    sharded = sorted({k.rsplit(".", 1)[0] for k, v in module.state_dict().items() if isinstance(v, DTensor)})
-    return {"meta": module.built_on_meta, "state": state, "whole_at_shard": whole_at_shard, "sharded": sharded}
+    held = module.state_dict()
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).float().tolist() for k, v in held.items()}
+    sharded = sorted({k.rsplit(".", 1)[0] for k, v in held.items() if isinstance(v, DTensor)})
+    dtypes = sorted({str(v.dtype) for v in held.values() if v.is_floating_point()})
+    out = {"meta": module.built_on_meta, "state": state, "whole_at_shard": whole_at_shard, "sharded": sharded}
+    return {**out, "dtypes": dtypes}
 
 
 @pytest.mark.timeout(200)
-def test_configure_model_with_sharded_replicas_makes_one_layer_at_a_time() -> None:
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_configure_model_with_sharded_replicas_makes_one_layer_at_a_time(precision: str) -> None:
     """Each rank makes its stage's layers one by one, each sharded before the next is made: at most one whole layer
-    beside the shards; the weights are those of every other layout (the plain materialization's)."""
+    beside the shards; the weights are those of every other layout (the plain materialization's), converted by the
+    precision plugin after sharding (bf16-true: the shards in bf16)."""
     from lightning_gpipe.strategy._materialize import materialize, record_init
 
-    results = run_distributed(sharded_meta_worker, 4, timeout=180, lightning=True)
-    with torch.device("meta"), record_init() as record:
-        plain = build()
-    materialize(plain, dict(plain.named_modules()), torch.device("cpu"), SEED, record)
-    want = {k: v.tolist() for k, v in plain.state_dict().items()}
+    results = run_distributed(sharded_meta_worker, 4, precision, timeout=180, lightning=True)
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # bf16-true builds the module in bf16 (Lightning's init context): drawn in bf16
+    try:
+        with torch.device("meta"), record_init() as record:
+            plain = build()
+        materialize(plain, dict(plain.named_modules()), torch.device("cpu"), SEED, record)
+    finally:
+        torch.set_default_dtype(default)
+    want = {k: v.float().tolist() for k, v in plain.state_dict().items()}
+    for r in results:
+        assert r["dtypes"] == [str(dtype)], r["dtypes"]
     params = dict(plain.named_parameters(remove_duplicate=False))
     for rank, r in enumerate(results):
         assert r["meta"] is True, rank
