@@ -54,6 +54,11 @@ def check_arguments(a: dict[str, Any]) -> tuple[int, ...]:
         )
     check_data_loading(a["data_loading"])
     check_sharding(a["data_parallel"], a["reshard_after_forward"])
+    T = a["tensor_parallel_size"]
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise ValueError(
+            f"GPipeStrategy(tensor_parallel_size={T!r}): the ranks that split each stage's tensors, an int ≥ 1"
+        )
     if a["layout"] not in LAYOUTS:
         raise ValueError(
             f"GPipeStrategy(layout={a['layout']!r}): choose 'stages_together' (a pipeline's stages on consecutive "
@@ -187,12 +192,14 @@ def check_trace_args(trace_dir: str | None, trace_steps: int | Sequence[int]) ->
     return steps
 
 
-def check_world_size(K: int, world_size: int, num_nodes: int, num_processes: int) -> None:
-    """K must divide the world, once the processes are known."""
-    if world_size % K:
+def check_world_size(K: int, world_size: int, num_nodes: int, num_processes: int, T: int = 1) -> None:
+    """K · T must divide the world, once the processes are known."""
+    if K < 1 or world_size % (K * T):
+        with_t = f" × tensor_parallel_size={T}" if T > 1 else ""
         raise ValueError(
-            f"GPipeStrategy(pipeline_parallel_size={K}) does not divide the world size {world_size} "
-            f"({num_nodes} node(s) × {num_processes} process(es)); choose a K that divides it, or 'auto'"
+            f"GPipeStrategy(pipeline_parallel_size={K}{with_t}) does not divide the world size {world_size} "
+            f"({num_nodes} node(s) × {num_processes} process(es)); choose sizes whose product divides it"
+            + (", or pipeline_parallel_size='auto'" if T == 1 else "")
         )
 
 

@@ -16,6 +16,7 @@ from itertools import chain
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_gpipe.strategy._init_record import InitRecord, Unreplayable, record_init
 
@@ -133,18 +134,18 @@ def materialize(
     _check_resettable(reasons, names, held_by)
 
     fresh: dict[int, torch.Tensor] = {}
+    slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # each tensor's places in the modules holding it
     for module in dict.fromkeys(m for ms in held_by.values() for m in ms):
         for key, t, is_param in _direct(module):
             if id(t) not in local:
                 continue
             if id(t) not in fresh:
-                empty = torch.empty_like(t, device=device)
+                # A split tensor (tensor parallelism's DTensor) is made whole first, initialized as on one device,
+                # then cut into this rank's part: the same values in every layout.
+                empty = torch.empty(t.shape, dtype=t.dtype, device=device)
                 fresh[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if is_param else empty
-            new = fresh[id(t)]
-            if is_param and isinstance(new, nn.Parameter):
-                module._parameters[key] = new
-            else:
-                module._buffers[key] = new
+            slots.setdefault(id(t), []).append((module, key, is_param))
+            _install(module, key, is_param, fresh[id(t)])
 
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -178,7 +179,22 @@ def materialize(
                 fresh[i].copy_(value)
     if reasons:
         _warn({names[i]: why for i, why in reasons.items()})
+    for i, t in local.items():
+        if isinstance(t, DTensor):
+            full = fresh[i].detach()
+            part = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
+            fresh[i] = nn.Parameter(part, requires_grad=t.requires_grad) if isinstance(fresh[i], nn.Parameter) else part
+            for module, key, is_param in slots[i]:
+                _install(module, key, is_param, fresh[i])
+            del full
     return sum(t.numel() for i, t in fresh.items() if i in local)
+
+
+def _install(module: nn.Module, key: str, is_param: bool, tensor: torch.Tensor) -> None:
+    if is_param and isinstance(tensor, nn.Parameter):
+        module._parameters[key] = tensor
+    else:
+        module._buffers[key] = tensor
 
 
 def _reset(holders: list[tuple[str, nn.Module]], modules: set[int], seed: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -28,7 +28,8 @@ class PipelineMesh:
     """Global rank ``rank = d·K + k`` is stage ``k`` of data-parallel replica ``d`` (``layout="stages_together"``: a
     pipeline's stages on consecutive ranks, so on one node where it has ≥ K devices), or ``rank = k·D + d``
     (``"replicas_together"``: a stage's D replicas on consecutive ranks, so FSDP's gathers stay inside a node and the
-    pipeline crosses nodes). ``stage_ranks[k]``: stage k's global ranks, replica 0 first.
+    pipeline crosses nodes). With T > 1 each of them is T consecutive ranks, the tensor-parallel group of a stage of a
+    replica (``device_mesh["tensor_parallel"]``).
 
     ``pp_group`` holds the K stages of this rank's pipeline, ``dp_group`` the replicas of this rank's stage, and
     ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU (and
@@ -52,7 +53,7 @@ class PipelineMesh:
     timeout_s: float
     dp_hierarchy: Hierarchy | None = None
     input_group: dist.ProcessGroup | None = None
-    stage_ranks: tuple[tuple[int, ...], ...] = ()
+    grid: list[list[list[int]]] = field(default_factory=list)  # [d][k][t]: the global rank
 
     @classmethod
     def join(
@@ -66,16 +67,19 @@ class PipelineMesh:
         dp_reduction: DpReduction = "flat",
         input_group: bool = False,
         layout: Layout = "stages_together",
+        T: int = 1,
     ) -> PipelineMesh:
-        """Join the world's process group (as Lightning's strategies do), then lay the mesh out over it."""
+        """Join the world's process group (as Lightning's strategies do), then lay the mesh out over it: T
+        tensor-parallel ranks of a stage innermost (consecutive ranks), then the two others in ``layout``'s order."""
         init_dist_connection(environment, backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
         destroy_at_exit()
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        names = ("data_parallel", "pipeline_parallel")  # the outer dimension first: its neighbours are far apart
+        # The outer dimension first: its neighbours are the furthest apart.
+        names = ("data_parallel", "pipeline_parallel", "tensor_parallel")
         if layout == "replicas_together":
-            names = ("pipeline_parallel", "data_parallel")
-        shape = tuple(K if name == "pipeline_parallel" else world_size // K for name in names)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+            names = ("pipeline_parallel", "data_parallel", "tensor_parallel")
+        sizes = {"pipeline_parallel": K, "tensor_parallel": T, "data_parallel": world_size // (K * T)}
+        mesh = init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)
         pipelines, replicas = _rank_sets(mesh, "pipeline_parallel"), _rank_sets(mesh, "data_parallel")
         pp_group, dp_group = mesh["pipeline_parallel"].get_group(), mesh["data_parallel"].get_group()
         header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _own_group(pipelines, rank)
@@ -94,9 +98,24 @@ class PipelineMesh:
                     "among one rank per node, then back (data_parallel_reduction='hierarchical')"
                 )
         timeout_s = (timeout or default_pg_timeout).total_seconds()
-        stages = tuple(tuple(r) for r in replicas)  # the groups of the dp dimension, ordered by stage
-        args = (pp_group, dp_group, header_group, dp_cpu_group, upstream, timeout_s, hierarchy, inputs, stages)
+        grid = mesh.mesh.permute(*(names.index(n) for n in _GRID)).tolist()  # [d][k][t]
+        args = (pp_group, dp_group, header_group, dp_cpu_group, upstream, timeout_s, hierarchy, inputs, grid)
         return cls(K, rank, mesh, *args)
+
+    def rank_of(self, d: int, k: int, t: int = 0) -> int:
+        """The global rank of stage ``k`` of replica ``d``, tensor-parallel rank ``t``."""
+        return self.grid[d][k][t]
+
+    @property
+    def stage_ranks(self) -> list[list[int]]:
+        """Each stage's global ranks, replica 0's tensor-parallel rank 0 first."""
+        return [
+            [self.grid[d][k][t] for d in range(len(self.grid)) for t in range(len(self.grid[0][0]))]
+            for k in range(self.K)
+        ]
+
+
+_GRID = ("data_parallel", "pipeline_parallel", "tensor_parallel")
 
 
 def hierarchical(dp_reduction: DpReduction, replicas: list[list[int]], per_node: int) -> bool:

@@ -9,7 +9,6 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.dp.fsdp import ShardedLayers
@@ -196,9 +195,12 @@ class RankPipeline:
             if data_parallel == "fsdp" and self.sharded is None:  # after the broadcast: replica 0's values
                 self.sharded = _shard(self.stage, self.copies.copied, mesh, reshard_after_forward)
         sync_metrics_over(module, mesh.dp_group)
-        # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere; the
-        # sharded layers' are reduce-scattered by FSDP.
-        params = [p for p in module.parameters() if not isinstance(p, DTensor)]
+        # The stage's own parameters are reduced over the replicas while the pipeline still drains elsewhere (a
+        # tensor-parallel part as a whole tensor: each replica holds the same part); the sharded layers' are
+        # reduce-scattered by FSDP.
+        units = self.sharded.units if self.sharded is not None else []
+        fsdp = {id(p) for unit in units for p in unit.parameters()}  # type: ignore[attr-defined]
+        params = [p for p in module.parameters() if id(p) not in fsdp]
         copied = self.copies.copied
         hierarchy, votes = mesh.dp_hierarchy, mesh.dp_cpu_group  # the votes on gloo: no wait for the GPU per step
         self._dp_reduce = OverlappedReduction(params, copied, mesh.dp_group, bucket_bytes, hierarchy, votes)

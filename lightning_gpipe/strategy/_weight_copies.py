@@ -79,10 +79,10 @@ class WeightCopies:
     def broadcast_initial_state(self) -> None:
         """Replicas start identical (replica 0's values), and so do copies on several stages (stage 0's, or the
         first holder's): as DDP does, so that an unseeded model still trains as one model."""
-        # A shard (FSDP's DTensor, from a meta-device build) was materialized alike on every replica, each its part.
-        tensors = [
-            t.detach() for t in (*self.module.parameters(), *self.module.buffers()) if not isinstance(t, DTensor)
-        ]
+        # A shard over the replicas (FSDP's, from a meta-device build) was materialized alike on every replica, each
+        # its part; a tensor-parallel part is the same part on each replica, broadcast as a whole tensor is.
+        held = (*self.module.parameters(), *self.module.buffers())
+        tensors = [local(t.detach()) for t in held if not split_over_replicas(t)]
         _broadcast(tensors, self.dp_group)
         _broadcast([p.detach() for p in self.replicated], self.pp_group)
         for group, params in self.tied:
@@ -277,6 +277,11 @@ def agree_on_loss_scaling(plugin: Precision, device: torch.device) -> None:
     setattr(plugin, "scaler", sharded)  # noqa: B010
 
 
+def split_over_replicas(t: torch.Tensor) -> bool:
+    """Whether ``t`` is split over the data-parallel replicas (FSDP's shard), not only over tensor-parallel ranks."""
+    return isinstance(t, DTensor) and "data_parallel" in (t.device_mesh.mesh_dim_names or ())
+
+
 class _PipelineGradScaler(ShardedGradScaler):
     """torch's ShardedGradScaler, unscaling a sharded gradient (data_parallel="fsdp": a DTensor beside whole ones,
     which torch's kernel cannot take together) through its local shard, a view of it."""
@@ -289,14 +294,15 @@ class _PipelineGradScaler(ShardedGradScaler):
         allow_fp16: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
         groups = [
-            {"params": [SimpleNamespace(grad=_local(p.grad)) for p in group["params"]]}
+            {"params": [SimpleNamespace(grad=None if p.grad is None else local(p.grad)) for p in group["params"]]}
             for group in optimizer.param_groups
         ]
         return super()._unscale_grads_(SimpleNamespace(param_groups=groups), inv_scale, found_inf, allow_fp16)  # type: ignore[arg-type]
 
 
-def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local tensor, a view of it), or ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def fit_to_pipeline(plugin: Precision, copies: WeightCopies, pp_group: dist.ProcessGroup, device: torch.device) -> None:

@@ -130,6 +130,11 @@ class GPipeStrategy(ParallelStrategy):
             d·K + k is stage k of replica d; the data-parallel reduction crosses nodes); ``"replicas_together"``, a
             stage's D replicas (rank k·D + d; FSDP's per-layer gathers stay inside a node, the pipeline's
             activations cross nodes); ``"auto"``: replicas together with ``"fsdp"``, stages together with ``"ddp"``.
+        tensor_parallel_size: T, the ranks of each stage of each replica that split its layers' tensors (Megatron's
+            tensor parallelism): consecutive ranks, innermost in the mesh. ``configure_model`` gets
+            ``self.device_mesh["tensor_parallel"]`` and calls torch's ``parallelize_module`` on the backbone's layers
+            with it, as under Lightning's ``ModelParallelStrategy``; each layer's output must be whole (replicated)
+            on the T ranks, the tensor that goes to the next stage. World size = K · D · T.
     """
 
     strategy_name = "gpipe"
@@ -160,11 +165,13 @@ class GPipeStrategy(ParallelStrategy):
         data_parallel: DataParallel = "ddp",
         reshard_after_forward: bool = False,
         layout: Layout | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
     ) -> None:
         super().__init__()
         self.trace_steps: tuple[int, ...] = check_arguments(locals())  # raises on a bad value
         self.data_parallel_reduction, self.data_loading = data_parallel_reduction, data_loading
         self.data_parallel, self.reshard_after_forward = data_parallel, reshard_after_forward
+        self.tensor_parallel_size = tensor_parallel_size
         self.layout: Layout = (
             layout if layout != "auto" else "replicas_together" if data_parallel == "fsdp" else "stages_together"
         )
@@ -200,11 +207,11 @@ class GPipeStrategy(ParallelStrategy):
     @property
     def pipeline_parallel_size(self) -> int:
         K = self._pipeline_parallel_size
-        return self.num_nodes * self.num_processes if K == "auto" else K
+        return self.num_nodes * self.num_processes // self.tensor_parallel_size if K == "auto" else K
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.pipeline_parallel_size
+        return self.world_size // (self.pipeline_parallel_size * self.tensor_parallel_size)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -274,8 +281,8 @@ class GPipeStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        K, device = self.pipeline_parallel_size, self.root_device
-        check_world_size(K, self.world_size, self.num_nodes, self.num_processes)
+        K, T, device = self.pipeline_parallel_size, self.tensor_parallel_size, self.root_device
+        check_world_size(K, self.world_size, self.num_nodes, self.num_processes, T)
         backend = self._process_group_backend = self._process_group_backend or default_backend(device)
         assert self.cluster_environment is not None
         self._pipeline_mesh = PipelineMesh.join(
@@ -288,6 +295,7 @@ class GPipeStrategy(ParallelStrategy):
             self.data_parallel_reduction,
             input_group=self.data_loading == "first_stage",
             layout=self.layout,
+            T=T,
         )
         assert self.lightning_module is not None
         internals.set_device_mesh(self.lightning_module, self._pipeline_mesh.device_mesh)

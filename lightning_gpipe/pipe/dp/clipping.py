@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_gpipe.pipe.dp.grads import collective_device, group_size, trainable
 
@@ -51,13 +51,14 @@ def global_grad_norm(
     device = _norm_device(owned + replicated, pp_group)
     # Keyed on the parameters, not their grads: the dtype must not depend on which grads this step produced.
     dtype = functools.reduce(torch.promote_types, [_norm_dtype(p.dtype) for p in owned + replicated], torch.float32)
-    # A sharded parameter (FSDP2's DTensor) contributes its shard here; the shards' sum over their replicas follows.
-    shards = [p for p in counted if isinstance(p, DTensor)]
+    # A split parameter (a DTensor: FSDP's shard, a tensor-parallel part) contributes its local part here, counted
+    # once along the mesh dimensions that replicate it; the parts are then reduced over each DTensor mesh.
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     local = _local_share([p for p in counted if not isinstance(p, DTensor)], norm_type, device, dtype)
-    if shards:
-        shared = _local_share(shards, norm_type, device, dtype).to(torch.float64)
-        dist.all_reduce(shared, op=op, group=shards[0].device_mesh.get_group())
+    for mesh, split in _by_mesh([p for p in counted if isinstance(p, DTensor)]).items():
+        shared = _local_share([p for p in split if _counted_here(p)], norm_type, device, dtype).to(torch.float64)
+        for dim in range(mesh.ndim):
+            dist.all_reduce(shared, op=op, group=mesh.get_group(dim))
         local = torch.stack([local, shared.to(dtype)]).max() if math.isinf(norm_type) else local + shared.to(dtype)
     if math.isinf(norm_type):
         return _over_pipeline(local, op, pp_group)
@@ -75,8 +76,28 @@ def _local_share(params: Sequence[nn.Parameter], norm_type: float, device: torch
 
 
 def _held(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: its local shard if sharded (a view: in-place changes reach the DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """What this rank holds of ``t``: its local part if split (a view: in-place changes reach the DTensor); a part
+    still to be summed over some mesh dimension (``Partial``) summed first, into a new tensor."""
+    if not isinstance(t, DTensor):
+        return t
+    if any(p.is_partial() for p in t.placements):
+        t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+    return t.to_local()
+
+
+def _by_mesh(params: Sequence[nn.Parameter]) -> dict[Any, list[nn.Parameter]]:
+    """DTensor parameters by the mesh their gradients are split over, in the order of ``params``."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh, []).append(p)  # type: ignore[attr-defined]
+    return groups
+
+
+def _counted_here(p: Any) -> bool:
+    """Whether this rank counts ``p``'s local part: its first copy along every mesh dimension that replicates it."""
+    placements = p.grad.placements if isinstance(p.grad, DTensor) else p.placements
+    mesh = p.device_mesh
+    return all(mesh.get_local_rank(i) == 0 for i, pl in enumerate(placements) if not pl.is_shard())
 
 
 def _over_pipeline(local: torch.Tensor, op: Any, pp_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -108,6 +129,7 @@ def clip_grad_norm_(
     # The same scaling on the shards that clip_grads_with_norm_ applies (it cannot mix DTensors with tensors).
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
-        if isinstance(p, DTensor) and p.grad is not None:
-            _held(p.grad).mul_(scale.to(p.grad.device))
+        grad = p.grad
+        if isinstance(grad, DTensor):  # its local part, in place (a Partial one too: the scaling is linear)
+            grad.to_local().mul_(scale.to(grad.device))
     return total

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe.dp.hierarchy import Hierarchy
 
@@ -99,21 +100,32 @@ def _by_dtype_device(params: Sequence[nn.Parameter]) -> dict[_Key, list[nn.Param
     return groups
 
 
+def held(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a split tensor's (DTensor's) local part, a view of it; else ``t``. Each rank of
+    a dp group holds the same part of a tensor-parallel weight, so the parts are reduced as whole tensors are."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def numel(p: torch.Tensor) -> int:
+    return held(p).numel()
+
+
 def _pack(params: Sequence[nn.Parameter], buffer: torch.Tensor) -> None:
     offset = 0
     for p in params:
-        n = p.numel()
-        buffer[offset : offset + n].view(p.shape).copy_(_ensure_grad(p))
+        grad = held(_ensure_grad(p))
+        n = grad.numel()
+        buffer[offset : offset + n].view(grad.shape).copy_(grad)
         offset += n
 
 
 def _unpack(params: Sequence[nn.Parameter], buffer: torch.Tensor) -> None:
     offset = 0
     for p in params:
-        n = p.numel()
-        grad = p.grad
-        assert grad is not None, "packed, so it has a gradient"
-        grad.copy_(buffer[offset : offset + n].view(p.shape))
+        assert p.grad is not None, "packed, so it has a gradient"
+        grad = held(p.grad)
+        n = grad.numel()
+        grad.copy_(buffer[offset : offset + n].view(grad.shape))
         offset += n
 
 
@@ -134,7 +146,7 @@ def sum_over_pipeline(
     assert votes is not None
     pending = []
     for (dtype, device), group in _by_dtype_device(used_somewhere(_unique(params), votes)).items():
-        buffer = torch.empty(sum(p.numel() for p in group), dtype=dtype, device=device)
+        buffer = torch.empty(sum(numel(p) for p in group), dtype=dtype, device=device)
         _pack(group, buffer)
         pending.append((group, buffer, dist.all_reduce(buffer, group=pp_group, async_op=True)))
     for group, buffer, work in pending:
@@ -221,8 +233,8 @@ class BucketedAllReduce:
         buffer = self.buffers[i]
         if buffer is None:
             first = self.buckets[i][0]
-            numel = sum(p.numel() for p in self.buckets[i])
-            buffer = self.buffers[i] = torch.empty(numel, dtype=first.dtype, device=first.device)
+            size = sum(numel(p) for p in self.buckets[i])
+            buffer = self.buffers[i] = torch.empty(size, dtype=first.dtype, device=first.device)
         return buffer
 
     def __call__(self) -> None:
@@ -252,7 +264,7 @@ def _fill(params: list[nn.Parameter], cap: int) -> list[list[nn.Parameter]]:
     bucket: list[nn.Parameter] = []
     size = 0
     for p in params:
-        nbytes = p.numel() * p.element_size()
+        nbytes = numel(p) * p.element_size()
         if bucket and size + nbytes > cap:
             buckets.append(bucket)
             bucket, size = [], 0
