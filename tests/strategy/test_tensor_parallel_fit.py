@@ -166,3 +166,55 @@ def test_tensor_parallel_stages_train_as_one_device(case: dict[str, Any]) -> Non
     for step in range(STEPS):  # each step's loss: the mean of the replicas' (equal batch sizes)
         mean = sum(losses[step] for losses in replicas) / dp
         assert abs(mean - plain[step]) <= TOL * max(1.0, abs(plain[step])), (step, mean, plain[step])
+
+
+def _checkpoint_worker(rank: int, world_size: int, folder: str, distributed: bool) -> dict[str, Any]:
+    """pp = 2 × tp = 2 saves; pp = 2 × dp = 2 without tensor parallelism resumes (each rank a whole stage)."""
+    from pathlib import Path
+
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    case = {"pp": 2, "schedule": "gpipe"}
+
+    def fit(T: int, ckpt: str | None = None) -> tuple[Any, Split]:
+        module = Split(case)
+        strategy = GPipeStrategy(
+            chunks=3, pipeline_parallel_size=2, tensor_parallel_size=T, save_distributed_checkpoint=distributed
+        )
+        trainer = quiet_trainer(devices=world_size, strategy=strategy, max_epochs=1, precision="64-true")
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=ckpt)
+        return trainer, module
+
+    def whole(trainer: Any, module: Split) -> dict[str, list]:
+        names = {id(p): n for n, p in module.named_parameters()}
+        out = {n: (p.full_tensor() if isinstance(p, DTensor) else p).tolist() for n, p in module.named_parameters()}
+        for p, s in trainer.optimizers[0].state.items():
+            t = s["exp_avg"]
+            out[f"exp_avg:{names[id(p)]}"] = (t.full_tensor() if isinstance(t, DTensor) else t).tolist()
+        return out
+
+    trainer, module = fit(2)
+    path = Path(folder) / "tp.ckpt"
+    trainer.save_checkpoint(path)
+    before = whole(trainer, module)
+    keys = sorted(torch.load(path, weights_only=False)["state_dict"]) if path.is_file() else None
+    resumed_trainer, resumed = fit(1, str(path))
+    return {"before": before, "after": whole(resumed_trainer, resumed), "keys": keys}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("distributed", [True, False], ids=["folder", "file"])
+def test_tensor_parallel_checkpoints_resume_without_it(tmp_path: Any, distributed: bool) -> None:
+    """The folder (each rank its part) and the single file (whole tensors, the plain module's keys) written at tp = 2
+    resume at tp = 1 with every weight and moment as saved."""
+    results = run_distributed(_checkpoint_worker, 4, str(tmp_path), distributed, timeout=280, lightning=True)
+    saved = {k: v for r in results for k, v in r["before"].items()}
+    plain = Split({"pp": 2, "schedule": "gpipe"})
+    assert len(saved) == 2 * len(list(plain.parameters()))
+    for rank, r in enumerate(results):
+        assert r["after"], rank
+        for name, value in r["after"].items():
+            assert value == saved[name], (rank, name)
+        if not distributed:
+            assert r["keys"] == sorted(plain.state_dict()), r["keys"]
