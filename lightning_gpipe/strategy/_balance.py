@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split, split_by_sizes
 from lightning_gpipe.pipe.split.balance import (
@@ -165,6 +166,15 @@ def plan_balance(
     weighed by ``last_stage_scale``, as the log weighs them."""
     if isinstance(balance, str) and balance in ("auto", "flops", "time"):
         kind = "flops" if balance == "auto" else balance
+        if any(isinstance(p, DTensor) for p in backbone.parameters()):  # rank 0 alone would wait for its peers
+            if balance == "auto":
+                note = "balance='auto' chose 'parameters': the layers are split over tensor-parallel ranks"
+                return Plan("parameters", "parameters", note=note)
+            raise ValueError(
+                f"GPipeStrategy(balance={balance!r}) measures each layer on rank 0 alone, but the backbone's layers "
+                "are split over tensor-parallel ranks (DTensor parameters), whose collectives need every rank: use "
+                "balance='parameters' or explicit layer counts"
+            )
         if balance == "auto" and getattr(module, "example_input_array", None) is None:
             note = "balance='auto' chose 'parameters': the LightningModule has no example_input_array to count FLOPs on"
             return Plan("parameters", "parameters", note=note)

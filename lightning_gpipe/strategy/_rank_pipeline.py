@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.dp.fsdp import ShardedLayers
@@ -137,12 +138,14 @@ class RankPipeline:
         audit = BackboneAudit(module, backbone, path)
         averages = WeightAverages(module, backbone, path, audit.references, internals.averaged_copies(module))
         audit.findings += averages.findings
-        if sharding[0] == "fsdp" and averages.copies:  # on every rank alike: each found the same copies
+        split = any(isinstance(p, DTensor) for p in backbone.parameters())  # tensor-parallel parts
+        if (sharding[0] == "fsdp" or split) and averages.copies:  # on every rank alike: each found the same copies
+            what = "data_parallel='fsdp'" if sharding[0] == "fsdp" else "tensor_parallel_size > 1"
             raise ValueError(
-                "GPipeStrategy(data_parallel='fsdp') cannot keep a weight average of the backbone (an AveragedModel, "
-                "a timm EMA, or Lightning's WeightAveraging / StochasticWeightAveraging): its copy would hold whole "
-                "layers beside their shards, and averaging pairs each copy tensor with a live one. Use "
-                "data_parallel='ddp' with weight averaging, or drop the average"
+                f"GPipeStrategy({what}) cannot keep a weight average of the backbone (an AveragedModel, a timm EMA, "
+                "or Lightning's WeightAveraging / StochasticWeightAveraging): its copy would hold whole layers beside "
+                "their shards or parts, and averaging pairs each copy tensor with a live one. Use data_parallel='ddp' "
+                "without tensor parallelism for weight averaging, or drop the average"
             )
         whole_model = WholeModel.read(module, path, backbone)
         on_meta = has_meta_tensors(module)

@@ -218,3 +218,30 @@ def test_tensor_parallel_checkpoints_resume_without_it(tmp_path: Any, distribute
             assert value == saved[name], (rank, name)
         if not distributed:
             assert r["keys"] == sorted(plain.state_dict()), r["keys"]
+
+
+def _balance_worker(rank: int, world_size: int) -> dict[str, str]:
+    """With an example_input_array, "auto" would count FLOPs on rank 0 alone: its split layers would wait there."""
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for balance in ("auto", "flops"):
+        module = Split({"pp": 2, "schedule": "gpipe"})
+        module.example_input_array = torch.zeros(4, D)
+        strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=2, tensor_parallel_size=2, balance=balance)
+        trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=1)
+        try:
+            trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+            out[balance] = f"split {strategy.stage.balance}"
+        except ValueError as e:
+            out[balance] = str(e)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_split_layers_are_balanced_by_parameters_not_measured_on_one_rank() -> None:
+    for r in run_distributed(_balance_worker, 4, timeout=180, lightning=True):
+        assert r["auto"] == "split [2, 2]", r
+        assert "balance='flops') measures each layer on rank 0 alone" in r["flops"], r
+        assert "balance='parameters' or explicit layer counts" in r["flops"], r
