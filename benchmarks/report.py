@@ -21,7 +21,17 @@ from benchmarks._lib.report import RESULTS, save
 # absent.
 FIGURES = {
     name: f"benchmarks.{name}"
-    for name in ("throughput", "peers", "peers_hf", "memory", "overhead", "consistency", "partition", "dp_overlap")
+    for name in (
+        "throughput",
+        "peers",
+        "peers_hf",
+        "memory",
+        "overhead",
+        "consistency",
+        "partition",
+        "dp_overlap",
+        "fsdp",
+    )
 } | {"memory_schedules": "benchmarks._lib.memory_schedules"}  # memory.py --schedules
 
 

@@ -185,6 +185,27 @@ def check_dp_overlap(fig: Any, data: dict) -> None:
     assert "(ms)" in ax.get_ylabel()
 
 
+def check_fsdp(fig: Any, data: dict) -> None:
+    """Bytes held per rank: ddp's whole, fsdp's parameters, gradients and AdamW states stacked (MB); the engine's step
+    per mode (ms): its parts stacked up to the step's median."""
+    held, times = fig.axes
+    rows = data["held"]
+    bars = by_label(held)
+    assert close(heights(bars["ddp"]), [r["ddp_mb"] for r in rows])
+    parts = ("fsdp: parameters", "fsdp: gradients", "fsdp: AdamW states")
+    for label, key in zip(parts, ("fsdp_params_mb", "fsdp_grads_mb", "fsdp_states_mb")):
+        assert close(heights(bars[label]), [r[key] for r in rows]), label
+    tops = [sum(v) for v in zip(*(heights(bars[label]) for label in parts))]
+    assert close(tops, [r["fsdp_mb"] for r in rows], tol=1e-6)
+    assert "(MB)" in held.get_ylabel()
+    bars = by_label(times)
+    for label, key in (("blocked in all-gathers", "gather_ms"), ("AdamW step", "optimizer_ms")):
+        assert close(heights(bars[label]), [r[key] for r in data["time"]]), label
+    stacked = [sum(v) for v in zip(*(heights(c) for c in times.containers))]
+    assert close(stacked, [r["median_ms"] for r in data["time"]], tol=1e-6)
+    assert "(ms)" in times.get_ylabel()
+
+
 CHECKS = {
     "overhead": check_overhead,
     "throughput": check_throughput,
@@ -195,6 +216,7 @@ CHECKS = {
     "consistency": check_consistency,
     "partition": check_partition,
     "dp_overlap": check_dp_overlap,
+    "fsdp": check_fsdp,
 }
 
 
