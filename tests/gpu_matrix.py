@@ -30,6 +30,10 @@ PER_PROCESS = [
         "output",
         "overlap",
         "data_loading",
+        # sharded and tensor-parallel stages (FSDP2 and DTensor over NCCL): exact, counted, checkpointed
+        "fsdp_fit",
+        "fsdp_checkpoint",
+        "tensor_parallel_fit",
         # what NCCL asks of the transport: 16 MiB boundaries under every schedule, a failing kernel, syncs per step
         "gpu_transport",
         "nccl_order_fit",

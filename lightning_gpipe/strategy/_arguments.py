@@ -123,6 +123,13 @@ def check_sharding(data_parallel: Any, reshard_after_forward: Any) -> None:
         )
 
 
+def resolve_layout(layout: Layout | Literal["auto"], data_parallel: DataParallel) -> Layout:
+    """``"auto"``: a stage's replicas together under fsdp (its gathers inside a node), a pipeline's stages under ddp."""
+    if layout != "auto":
+        return layout
+    return "replicas_together" if data_parallel == "fsdp" else "stages_together"
+
+
 def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) -> None:
     """Where the loss runs, and in which order the micro-batches go when it runs inside the pipeline, over how many
     virtual stages per rank."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -210,8 +211,11 @@ class RankPipeline:
         self._ready = ReadyBuckets(self._dp_reduce.own.params, mesh.dp_group, bucket_bytes, hierarchy, vote_group=votes)
         fit_to_pipeline(plugin, self.copies, mesh.pp_group, device)
 
-    def begin_step(self) -> None:
-        """Before a training step: the sharded layers' gradients accumulate whole until :meth:`reduce`."""
+    def begin_step(self, batch: Any) -> None:
+        """Before a training step: the step audit sees its ``batch``; the sharded layers' gradients accumulate whole
+        until :meth:`reduce`."""
+        if self.step_audit is not None:
+            self.step_audit.start_step(batch)
         if self.sharded is not None:
             self.sharded.begin()
             self._shards_pending = True
@@ -222,10 +226,15 @@ class RankPipeline:
             with self.stage.timeline.record("reduce"):
                 self.sharded.reduce()
 
-    def end_evaluation_step(self) -> None:
-        """After a validation, test or predict step: the sharded layers let go of their gathered weights."""
-        if self.sharded is not None:
-            self.sharded.reshard()
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Around a validation, test or predict step: after it the sharded layers let go of their gathered weights
+        (gathered once for the step's micro-batches; a local free, no collective)."""
+        try:
+            yield
+        finally:
+            if self.sharded is not None:
+                self.sharded.reshard()
 
     def sync_held_buffers(self) -> None:
         """After a training step: the buffers its layers changed, copied to their holders on the other stages."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -41,6 +41,7 @@ from lightning_gpipe.strategy._arguments import (
     find_backbone,
     reject_closure_replaying_optimizers,
     reject_unsupported,
+    resolve_layout,
 )
 from lightning_gpipe.strategy._batches import BatchCheck, FedLoader, open_feed
 from lightning_gpipe.strategy._materialize import InitRecord, record_init
@@ -117,24 +118,17 @@ class GPipeStrategy(ParallelStrategy):
         data_loading: ``"every_stage"`` iterates each stage's own loader; ``"first_stage"`` iterates it on stage 0
             only, in a thread up to two batches ahead, and broadcasts each batch to the other stages of its
             pipeline (one input pipeline per pipeline: 1/K of the loading work, no per-stage augmentation to match).
-        data_parallel: how the replicas of a stage hold it: ``"ddp"``, each a whole copy (gradients all-reduced in
-            buckets); ``"fsdp"``, each a shard of every layer of its stage (torch's ``fully_shard`` over the
-            data-parallel dimension of the mesh): between steps parameters, gradients and optimizer states ÷ dp.
-            Within a step each layer is gathered once for all M micro-batches and its gradient reduce-scattered
-            once, after the stage's last backward work: until then weights and gradients are whole, the optimizer
-            states ÷ dp always. Modules outside the backbone, and layers whose weights are tied or shared with
-            another layer or module, stay whole.
-        reshard_after_forward: with ``"fsdp"``, free a layer's gathered weights after each forward and gather them
-            again for its next forward or backward: less memory, M + 1 to 2M + 1 gathers a step instead of one.
-        layout: which ranks are neighbours (share a node): ``"stages_together"``, a pipeline's K stages (global rank
-            d·K + k is stage k of replica d; the data-parallel reduction crosses nodes); ``"replicas_together"``, a
-            stage's D replicas (rank k·D + d; FSDP's per-layer gathers stay inside a node, the pipeline's
-            activations cross nodes); ``"auto"``: replicas together with ``"fsdp"``, stages together with ``"ddp"``.
-        tensor_parallel_size: T, the ranks of each stage of each replica that split its layers' tensors (Megatron's
-            tensor parallelism): consecutive ranks, innermost in the mesh. ``configure_model`` gets
-            ``self.device_mesh["tensor_parallel"]`` and calls torch's ``parallelize_module`` on the backbone's layers
-            with it, as under Lightning's ``ModelParallelStrategy``; each layer's output must be whole (replicated)
-            on the T ranks, the tensor that goes to the next stage. World size = K · D · T.
+        data_parallel: ``"ddp"``: each replica of a stage holds it whole (gradients all-reduced in buckets);
+            ``"fsdp"``: a shard of each of its layers (FSDP2; each layer gathered once a step, reduce-scattered once:
+            between steps parameters, gradients and optimizer states ÷ dp, within one weights and gradients whole).
+            Modules outside the backbone and layers with tied or shared weights stay whole.
+        reshard_after_forward: with ``"fsdp"``, free a layer's gathered weights after each forward: less memory,
+            M + 1 to 2M + 1 gathers a step instead of one.
+        layout: which ranks share a node: ``"stages_together"`` (rank d·K + k), ``"replicas_together"`` (k·D + d:
+            FSDP's gathers inside a node, the pipeline across nodes) or ``"auto"`` (the latter under ``"fsdp"``).
+        tensor_parallel_size: T ranks per stage and replica (innermost), over which ``configure_model`` splits the
+            layers with ``self.device_mesh["tensor_parallel"]`` and ``parallelize_module``, as under
+            ``ModelParallelStrategy``; each layer's output must be whole on them. World size = K · D · T.
     """
 
     strategy_name = "gpipe"
@@ -170,11 +164,8 @@ class GPipeStrategy(ParallelStrategy):
         super().__init__()
         self.trace_steps: tuple[int, ...] = check_arguments(locals())  # raises on a bad value
         self.data_parallel_reduction, self.data_loading = data_parallel_reduction, data_loading
-        self.data_parallel, self.reshard_after_forward = data_parallel, reshard_after_forward
-        self.tensor_parallel_size = tensor_parallel_size
-        self.layout: Layout = (
-            layout if layout != "auto" else "replicas_together" if data_parallel == "fsdp" else "stages_together"
-        )
+        self.data_parallel, self.reshard_after_forward = self._sharding = (data_parallel, reshard_after_forward)
+        self.tensor_parallel_size, self.layout = tensor_parallel_size, resolve_layout(layout, data_parallel)
         self._feed: BatchFeed | None = None
         self.pipeline_loss, self.schedule, self.virtual_stages = pipeline_loss, schedule, virtual_stages
         self._loss_inside: PipelineLoss | None = None
@@ -340,8 +331,7 @@ class GPipeStrategy(ParallelStrategy):
             return False
         record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
         args = (StageOptions.of(self), self._mesh, self.root_device, sync_batchnorm, record, self.broadcast)
-        sharding = (self.data_parallel, self.reshard_after_forward)
-        self._pipeline = RankPipeline.build(module, self.backbone, backbone, *args, sharding)
+        self._pipeline = RankPipeline.build(module, self.backbone, backbone, *args, self._sharding)
         return True
 
     def _connect(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -355,8 +345,7 @@ class GPipeStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
         bucket_bytes = int(self.bucket_cap_mb * 2**20)
-        sharding = (self.data_parallel, self.reshard_after_forward)
-        self._rank_pipeline.connect(module, self.precision_plugin, self.root_device, bucket_bytes, *sharding)
+        self._rank_pipeline.connect(module, self.precision_plugin, self.root_device, bucket_bytes, *self._sharding)
 
     @contextmanager
     @override
@@ -397,9 +386,7 @@ class GPipeStrategy(ParallelStrategy):
         self._tracer.begin(stage, mesh, trainer.global_step)
         batch = args[0] if args else kwargs.get("batch")
         audit = self._rank_pipeline.step_audit
-        if audit is not None:
-            audit.start_step(batch)
-        self._rank_pipeline.begin_step()
+        self._rank_pipeline.begin_step(batch)
         with abort_on_error(stage):
             self._batch_check(batch, trainer.current_epoch, mesh.K, mesh.header_group)
             if self._loss_inside is None:
@@ -414,28 +401,23 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with abort_on_error(self.stage), self._evaluation_step():
+        with abort_on_error(self.stage), self._evaluation_step(), self._rank_pipeline.evaluating():
             return self._from_last_stage(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with abort_on_error(self.stage), self._evaluation_step():
+        with abort_on_error(self.stage), self._evaluation_step(), self._rank_pipeline.evaluating():
             return self._from_last_stage(super().test_step(*args, **kwargs))
 
-    @contextmanager
-    def _evaluation_step(self) -> Generator[None, None, None]:
+    def _evaluation_step(self) -> AbstractContextManager[None]:
         # With the loss inside, an output given straight to pipeline_loss stays on the last stage.
         loss = self._loss_inside
-        with nullcontext() if loss is None else loss.evaluation_step(self._trainer.lightning_module):
-            yield
-        self._rank_pipeline.end_evaluation_step()
+        return nullcontext() if loss is None else loss.evaluation_step(self._trainer.lightning_module)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with abort_on_error(self.stage):
-            output = super().predict_step(*args, **kwargs)
-        self._rank_pipeline.end_evaluation_step()
-        return output
+        with abort_on_error(self.stage), self._rank_pipeline.evaluating():
+            return super().predict_step(*args, **kwargs)
 
     def _from_last_stage(self, step_output: Any) -> Any:
         module, mesh = self._trainer.lightning_module, self._mesh
@@ -447,12 +429,9 @@ class GPipeStrategy(ParallelStrategy):
         module, plugin, loss = self.lightning_module, self.precision_plugin, closure_loss
         self.pre_backward(closure_loss)
         closure_loss = plugin.pre_backward(closure_loss, module)
-        if (
-            self._loss_inside is not None and self._loss_inside.ran
-        ):  # pipeline_loss ran: the step's gradients exist already
-            self._loss_inside.add_gradients(
-                loss, self._trainer, None if self._sync_blocked else self._rank_pipeline.reduce
-            )
+        inside = self._loss_inside
+        if inside is not None and inside.ran:  # pipeline_loss ran: the step's gradients exist already
+            inside.add_gradients(loss, self._trainer, None if self._sync_blocked else self._rank_pipeline.reduce)
         else:
             backprop = partial(plugin.backward, closure_loss, module, optimizer, *args, **kwargs)  # on the last stage
             pipeline = self._rank_pipeline

@@ -540,12 +540,13 @@ def test_the_vote_runs_on_the_vote_group_and_stays_on_the_cpu() -> None:
 def _replica_groups_check(rank: int, world_size: int) -> list[list[int]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_gpipe.strategy._mesh import _replica_groups
+    from lightning_gpipe.strategy._mesh import _own_group, _rank_sets
 
     out = []
     for K in (1, 2, 4):
-        dp = init_device_mesh("cpu", (world_size // K, K), mesh_dim_names=("dp", "pp"))["dp"].get_group()
-        twin = _replica_groups(world_size, K, rank)
+        mesh = init_device_mesh("cpu", (world_size // K, K), mesh_dim_names=("dp", "pp"))
+        dp = mesh["dp"].get_group()
+        twin = _own_group(_rank_sets(mesh, "dp"), rank)
         assert dist.get_backend(twin) == "gloo"
         assert dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(dp), K
         BucketedAllReduce([], dp, vote_group=twin)  # accepted as the dp group's vote group
