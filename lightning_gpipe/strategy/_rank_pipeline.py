@@ -315,7 +315,8 @@ def _shard(
             holders[id(p)] = holders.get(id(p), 0) + 1
     ids = {id(p) for p in copied} | {i for i, n in holders.items() if n > 1}
     layers = [layer for layer in stage.children() if not any(id(p) in ids for p in layer.parameters())]
-    return ShardedLayers(made(layers), mesh.device_mesh["data_parallel"], reshard_after_forward=reshard)
+    dp = mesh.device_mesh["data_parallel"]
+    return ShardedLayers(made(layers), dp, reshard_after_forward=reshard, vote_group=mesh.dp_cpu_group)
 
 
 def _plan(

@@ -187,3 +187,37 @@ def test_layers_sharing_a_weight_are_refused() -> None:
     """Two FSDP units over one weight would each gather it and reduce its gradient (silently wrong): refused."""
     (message,) = run_distributed(_sharing_worker, 1, timeout=50)
     assert "layer 1 (Linear) shares a parameter of shape (4, 4) with layer 0" in message, message
+
+
+class _Branchy(nn.Module):
+    """A layer whose second projection only some batches reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _skipped_branch_worker(rank: int, world_size: int) -> dict[str, float]:
+    mesh = init_device_mesh("cpu", (2,))
+    layer, plain = _Branchy(), _Branchy()
+    sharded = ShardedLayers([layer], mesh)
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    sharded.begin()
+    layer(x[rank], use_b=rank == 0).sum().backward()
+    sharded.reduce()
+    # DDP's mean: replica 1 contributes zeros to b's gradient.
+    (sum(plain(x[r], use_b=r == 0).sum() for r in range(2)) / 2).backward()
+    named = dict(plain.named_parameters())
+    return {n: (p.grad.full_tensor() - named[n].grad).abs().max().item() for n, p in layer.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+def test_a_branch_one_replica_skipped_is_reduced_with_zeros_from_it() -> None:
+    """Before: the replicas reduce-scattered different sizes (gloo: "Received data size doesn't match expected size",
+    the process aborted; NCCL would hang or mix buffers). Now they agree first on which gradients exist."""
+    for r in run_distributed(_skipped_branch_worker, 2, timeout=50):
+        assert set(r) == {"a.weight", "a.bias", "b.weight", "b.bias"} and max(r.values()) < 1e-12, r

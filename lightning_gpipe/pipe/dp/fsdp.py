@@ -5,11 +5,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe._torch_internals import fsdp_post_backward
+from lightning_gpipe.pipe.dp.grads import used_somewhere
 
 
 class ShardedLayers:
@@ -34,8 +38,11 @@ class ShardedLayers:
         *,
         reshard_after_forward: bool = False,
         mp_policy: MixedPrecisionPolicy | None = None,
+        vote_group: dist.ProcessGroup | None = None,
     ) -> None:
         policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+        # Where the replicas agree on which gradients exist (the dp group's ranks; gloo keeps the vote on the host).
+        self.vote_group = vote_group if vote_group is not None else mesh.get_group()
         self.units: list[FSDPModule] = []
         # Weakly: a sharded layer's former parameters must be freed, and a later one may then get the same id.
         seen: dict[int, tuple[weakref.ref[nn.Parameter], int]] = {}
@@ -62,7 +69,16 @@ class ShardedLayers:
 
     def reduce(self) -> None:
         """After the stage's last backward work of the step: each layer's gradient reduce-scattered into its shard
-        (the mean over the replicas), its whole parameters freed."""
+        (the mean over the replicas), its whole parameters freed.
+
+        FSDP reduce-scatters the gradients a rank has: a parameter one replica's batch never reached (a branch its
+        data skipped) would give the replicas collectives of different sizes. As DDP does, the replicas first agree on
+        which gradients exist anywhere; a rank without one contributes zeros, and one that none has stays None."""
+        units: list[nn.Module] = self.units  # type: ignore[assignment]  # FSDPModule mixes into the layer's class
+        gathered = [p for unit in units for p in unit.parameters() if not isinstance(p, DTensor)]
+        for p in used_somewhere(gathered, self.vote_group):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         for unit in self.units:
             unit.set_requires_gradient_sync(True)
             unit.set_is_last_backward(True)
