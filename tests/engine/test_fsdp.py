@@ -9,14 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.dp.fsdp import ShardedLayers
-from tests.helpers.launch import run_distributed
+from tests.helpers.launch import counted_fsdp_collectives, run_distributed
 
 N, STEPS, LR = 7, 2, 0.1  # 7 samples a replica: M = 3 uneven micro-batches (3, 2, 2)
 
@@ -51,22 +50,8 @@ def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
     sharded = ShardedLayers(stage.children(), mesh["data_parallel"])
     plain, (xs, ys) = build(), data()
     x, y = xs[mesh["data_parallel"].get_local_rank()], ys[mesh["data_parallel"].get_local_rank()]
-    calls = {"all_gather": 0, "reduce_scatter": 0}
-    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
-
-    def counted(name: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    dist.all_gather_single, dist.reduce_scatter_single = (
-        counted("all_gather", gather),
-        counted("reduce_scatter", scatter),
-    )
     worst = 0.0
-    try:
+    with counted_fsdp_collectives() as calls:
         for _ in range(STEPS):
             sharded.begin()
             sizes = stage.micro_batch_sizes(x)
@@ -96,8 +81,6 @@ def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
             (p.full_tensor() - dict(plain.named_parameters())[n]).abs().max().item()
             for n, p in stage.named_parameters()
         )
-    finally:
-        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
     return {"worst_grad": worst, "weights": weights, "calls": calls, "units": len(sharded.units)}
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -144,3 +145,24 @@ def quiet_trainer(**kwargs: Any) -> Any:
         "enable_model_summary": False,
     }
     return pl.Trainer(**{**quiet, **kwargs})
+
+
+@contextlib.contextmanager
+def counted_fsdp_collectives() -> Iterator[dict[str, int]]:
+    """Counts FSDP2's all-gathers and reduce-scatters (``dist.all_gather_single``, ``dist.reduce_scatter_single``)
+    made in the block, in this process."""
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    real = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+
+        return call
+
+    dist.all_gather_single, dist.reduce_scatter_single = counted("all_gather"), counted("reduce_scatter")
+    try:
+        yield calls
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = real["all_gather"], real["reduce_scatter"]

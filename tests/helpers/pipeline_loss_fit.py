@@ -54,6 +54,14 @@ class Shards(Sampler):
         return sum(len(s) for s in self.shards)
 
 
+def loader(devices: int, dp: int) -> DataLoader:
+    """The pipelined run's loader (Lightning shards it over the dp replicas), or on one device the plain run's: each
+    step the replicas' batches joined."""
+    if devices > 1:
+        return DataLoader(dataset(), batch_size=BATCH)
+    return DataLoader(dataset(), batch_size=BATCH * dp, sampler=Shards(dp))
+
+
 def fit(
     strategy: Any, devices: int, dp: int, accumulate: int, clip: float | None, kind: type = HookModule
 ) -> tuple[HookModule, dict]:
@@ -65,11 +73,6 @@ def fit(
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
     )
-    loader = (
-        DataLoader(dataset(), batch_size=BATCH)
-        if devices > 1
-        else DataLoader(dataset(), batch_size=BATCH * dp, sampler=Shards(dp))
-    )
-    trainer.fit(module, loader)
+    trainer.fit(module, loader(devices, dp))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return module, metrics

@@ -8,13 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from tests.helpers import models
-from tests.helpers.launch import quiet_trainer, run_distributed
-from tests.helpers.pipeline_loss_fit import Shards
+from tests.helpers.launch import counted_fsdp_collectives, quiet_trainer, run_distributed
+from tests.helpers.pipeline_loss_fit import loader
 from tests.helpers.tiny_fit import BATCH, STEPS, TinyHooked, TinyPipelined, dataset
 
 TOL = 1e-9
@@ -56,12 +55,7 @@ def _fit(module: Any, devices: int, strategy: Any, case: dict[str, Any], dp: int
         gradient_clip_val=case.get("clip"),
         sync_batchnorm=case.get("model") == "bn" and devices > 1,
     )
-    loader = (
-        DataLoader(dataset(), batch_size=BATCH)
-        if devices > 1
-        else DataLoader(dataset(), batch_size=BATCH * dp, sampler=Shards(dp))
-    )
-    trainer.fit(module, loader)
+    trainer.fit(module, loader(devices, dp))
     return trainer
 
 
@@ -80,24 +74,8 @@ def _worker(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
         reshard_after_forward=case.get("reshard", False),
         **options,
     )
-    calls = {"all_gather": 0, "reduce_scatter": 0}
-    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
-
-    def counted(name: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return call
-
-    dist.all_gather_single, dist.reduce_scatter_single = (
-        counted("all_gather", gather),
-        counted("reduce_scatter", scatter),
-    )
-    try:
+    with counted_fsdp_collectives() as calls:
         trainer = _fit(module, world_size, strategy, case, dp=2)
-    finally:
-        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
     sharded = {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)}
     units = len(_layers(list(sharded)))
     plain = _module(case)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from tests.helpers.launch import quiet_trainer, run_distributed
 from tests.helpers.models import D
-from tests.helpers.pipeline_loss_fit import Shards
+from tests.helpers.pipeline_loss_fit import loader
 from tests.helpers.tiny_fit import BATCH, STEPS, dataset
 
 TOL = 1e-9
@@ -79,12 +79,7 @@ def _fit(module: Split, devices: int, strategy: Any, case: dict[str, Any], dp: i
     trainer = quiet_trainer(
         devices=devices, strategy=strategy, max_steps=STEPS, precision="64-true", gradient_clip_val=case.get("clip")
     )
-    loader = (
-        DataLoader(dataset(), batch_size=BATCH)
-        if devices > 1
-        else DataLoader(dataset(), batch_size=BATCH * dp, sampler=Shards(dp))
-    )
-    trainer.fit(module, loader)
+    trainer.fit(module, loader(devices, dp))
     return trainer
 
 
