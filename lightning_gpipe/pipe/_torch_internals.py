@@ -31,6 +31,10 @@ why no public API does it:
   ``_root_post_backward_final_callback``: a stage's gradients reduce-scattered once, after the last backward work of
   the step, as torch's own pipeline schedules do it (``PipelineStage.perform_reduce_grad``). FSDP2 runs them from
   autograd hooks only, which fire after a layer's input gradient: zb-h1's deferred weight gradients come later.
+- ``fsdp_forward_hooks_off``: a ``fully_shard`` root state's ``_lazy_init`` and its ``_pre_forward_hook_handle`` /
+  ``_post_forward_hook_handle``: while a pipeline holds a layer gathered for the whole step, FSDP2's hooks at each of
+  its M forwards, re-materialized forwards and backwards have nothing to do but cost host time (1.2× a CPU step's
+  forward and backward, ``benchmarks/results/fsdp``); FSDP2 has no switch for them.
 
 Not counted, and pinned by the same test: ``Module._modules``, ``_parameters``, ``_buffers``, ``_forward_pre_hooks``
 and ``_forward_hooks``, the dicts every ``nn.Module`` method reads and writes (replacing a layer or a buffer under its
@@ -53,6 +57,7 @@ __all__ = [
     "BatchNormBase",
     "accumulate_grads",
     "forward_hooks_always_called",
+    "fsdp_forward_hooks_off",
     "fsdp_post_backward",
     "keystr",
     "profiler_enabled",
@@ -109,3 +114,30 @@ def fsdp_post_backward(module: nn.Module) -> None:
         for group in each._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def fsdp_forward_hooks_off(module: nn.Module) -> Callable[[], None]:
+    """Takes FSDP2's forward hooks off ``module`` (a single-module ``fully_shard`` root), lazily initialized first as
+    its first forward would be; returns what puts them back in their places among the module's other hooks. Without
+    them nothing gathers, frees or registers backward hooks: the caller gathers (``unshard``) and reduces
+    (:func:`fsdp_post_backward`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    state._lazy_init()
+    ours = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
+    taken = []
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        before = dict(hooks)
+        taken.append((hooks, before))
+        for key in ours & before.keys():
+            del hooks[key]
+
+    def put_back() -> None:
+        for hooks, before in taken:
+            now = dict(hooks)
+            hooks.clear()
+            hooks.update((key, hook) for key, hook in before.items() if key in ours or key in now)
+            hooks.update((key, hook) for key, hook in now.items() if key not in before)
+
+    return put_back

@@ -204,3 +204,65 @@ def test_a_branch_one_replica_skipped_is_reduced_with_zeros_from_it() -> None:
     the process aborted; NCCL would hang or mix buffers). Now they agree first on which gradients exist."""
     for r in run_distributed(_skipped_branch_worker, 2, timeout=50):
         assert set(r) == {"a.weight", "a.bias", "b.weight", "b.bias"} and max(r.values()) < 1e-12, r
+
+
+def _hooks_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    mesh = init_device_mesh("cpu", (2,))
+    seq, plain = build(), build()
+    order: list[str] = []
+    seq[0].register_forward_pre_hook(lambda *_: order.append("user pre, before sharding"))
+    sharded = ShardedLayers(seq, mesh)
+    seq[0].register_forward_hook(lambda *_: order.append("user post, after sharding"))
+    keys_before = [list(seq[0]._forward_pre_hooks), list(seq[0]._forward_hooks)]
+    fired = {"fsdp": 0}
+    real = FSDPParamGroup.pre_forward
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fired["fsdp"] += 1
+        return real(self, *args, **kwargs)
+
+    FSDPParamGroup.pre_forward = counted  # type: ignore[method-assign]
+    xs, ys = data()
+    out: dict[str, Any] = {}
+    try:
+        with counted_fsdp_collectives() as calls:
+            sharded.begin()
+            out["sharded_until_first_forward"] = all(isinstance(p, DTensor) for p in seq.parameters())
+            for m in range(3):  # three micro-batches, each forward and backward
+                (seq(xs[rank][m::3]) - ys[rank][m::3]).square().sum().backward()
+            out["fsdp_hooks_in_step"] = fired["fsdp"]
+            out["gathers"] = calls["all_gather"]
+            sharded.reduce()
+        out["keys_after"] = [list(seq[0]._forward_pre_hooks), list(seq[0]._forward_hooks)] == keys_before
+        out["sharded_after"] = all(isinstance(p, DTensor) for p in seq.parameters())
+        sum((plain(xs[r]) - ys[r]).square().sum() for r in range(2)).div(2).backward()
+        named = dict(plain.named_parameters())
+        grads = [(p.grad.full_tensor() - named[n].grad).abs().max().item() for n, p in seq.named_parameters()]
+        out["grads"] = max(grads)
+        with torch.no_grad():  # a call between steps: FSDP2's hooks gather
+            between = seq(xs[rank])
+        out["fsdp_hooks_between"] = fired["fsdp"]
+        out["between"] = (between - plain(xs[rank])).abs().max().item()
+    finally:
+        FSDPParamGroup.pre_forward = real  # type: ignore[method-assign]
+    out["order"] = order
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_within_a_step_fsdp2s_hooks_are_off_and_between_steps_on_again() -> None:
+    """The default policy holds each layer whole for the step: FSDP2's forward hooks would only cost host time at every
+    micro-batch (1.2× a CPU step's forward and backward). Off from the stage's first forward to the reduction, every
+    layer gathered once at that first forward (the parameters stay the optimizer's shards until then); after it the
+    hooks are back in their places among the user's, and a call between steps gathers as FSDP2 does."""
+    for r in run_distributed(_hooks_worker, 2, timeout=50):
+        assert r["sharded_until_first_forward"] and r["sharded_after"], r
+        assert r["fsdp_hooks_in_step"] == 0 and r["gathers"] == 4, r  # 4 layers with parameters
+        assert r["fsdp_hooks_between"] == 4 and r["between"] < 1e-12, r
+        assert r["keys_after"], r
+        # Once in the step's first forward and once between steps, in each hook's place: the user's pre-hook before
+        # sharding, their forward hook after it.
+        assert r["order"] == ["user pre, before sharding", "user post, after sharding"] * 4, r
+        assert r["grads"] < 1e-12, r

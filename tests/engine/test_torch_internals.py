@@ -5,6 +5,7 @@ Each test names the internal (see ``lightning_gpipe/pipe/_torch_internals.py``) 
 
 from __future__ import annotations
 
+import inspect
 from collections import namedtuple
 
 import pytest
@@ -151,3 +152,14 @@ def test_fsdp_post_backward_reaches_fsdp2s_own_steps() -> None:
     state = FSDPState()
     assert isinstance(state._state_ctx, FSDPStateContext) and state._state_ctx.all_states == []
     assert state._fsdp_param_groups == []
+
+
+def test_fsdp_forward_hooks_off_reaches_fsdp2s_hook_handles() -> None:
+    """FSDP2's state keeps the handles of the forward hooks it registers and a lazy init a root runs at its first
+    forward (their behaviour: tests/engine/test_fsdp.py, no FSDP2 hook within a step)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    assert callable(FSDPState._lazy_init) and callable(FSDPState._pre_forward) and callable(FSDPState._post_forward)
+    source = inspect.getsource(FSDPState.init)
+    assert "self._pre_forward_hook_handle = modules[0].register_forward_pre_hook(" in source
+    assert "self._post_forward_hook_handle = modules[0].register_forward_hook(" in source

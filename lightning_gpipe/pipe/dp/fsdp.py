@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -11,8 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
-from lightning_gpipe.pipe._torch_internals import fsdp_post_backward
+from lightning_gpipe.pipe._torch_internals import fsdp_forward_hooks_off, fsdp_post_backward
 from lightning_gpipe.pipe.dp.grads import used_somewhere
 
 
@@ -20,15 +21,18 @@ class ShardedLayers:
     """A stage's layers, each sharded with torch's ``fully_shard`` over ``mesh`` (the data-parallel dimension).
 
     Under a pipeline a layer runs M forwards and M backwards a step, in its schedule's order. FSDP2's defaults would
-    gather its parameters before each forward and backward and reduce its gradient after each backward. Here a layer
-    is gathered at its first forward and stays whole for the step (``reshard_after_forward=False``, the default, as
-    torchtitan keeps it under a pipeline), its gradient accumulates unsharded over the M backwards (:meth:`begin`
-    turns FSDP's synchronization off), and :meth:`reduce`, once the stage's gradients are complete -- the engine's
-    ``drained``, after zb-h1's deferred weight gradients too -- reduce-scatters each layer's gradient once and frees
-    its whole parameters: one all-gather and one reduce-scatter per layer per step. With
-    ``reshard_after_forward=True`` a layer is freed after each forward and gathered again for the next forward or
-    backward work: M + 1 to 2M + 1 gathers a step, by schedule and re-materialization (memory for traffic); its
-    gradient is still reduced once.
+    gather its parameters before each forward and backward and reduce its gradient after each backward. Here, with
+    ``reshard_after_forward=False`` (the default, as torchtitan keeps it under a pipeline), every layer is gathered
+    once, at the stage's first forward of the step, and stays whole for the step; its gradient accumulates unsharded
+    over the M backwards, and :meth:`reduce`, once the stage's gradients are complete -- the engine's ``drained``,
+    after zb-h1's deferred weight gradients too -- reduce-scatters each layer's gradient once and frees its whole
+    parameters: one all-gather and one reduce-scatter per layer per step. In between FSDP2's forward hooks are off:
+    with the layer whole and the reduction explicit they would have nothing to do at each of the step's forwards,
+    re-materialized forwards and backwards but cost host time; they are back on outside the step (a call between
+    steps, an evaluation, a checkpoint see the module FSDP2 made). With ``reshard_after_forward=True`` the hooks stay
+    on: a layer is freed after each forward and gathered again for the next forward or backward work, M + 1 to
+    2M + 1 gathers a step by schedule and re-materialization (memory for traffic); its gradient is still reduced
+    once.
     """
 
     def __init__(
@@ -40,6 +44,9 @@ class ShardedLayers:
         mp_policy: MixedPrecisionPolicy | None = None,
         vote_group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.reshard_after_forward = reshard_after_forward
+        self._put_back: list[Callable[[], None]] = []  # while the step holds the layers whole: FSDP2's hooks, off
+        self._gather_at: list[RemovableHandle] = []
         policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
         # Where the replicas agree on which gradients exist (the dp group's ranks; gloo keeps the vote on the host).
         self.vote_group = vote_group if vote_group is not None else mesh.get_group()
@@ -61,11 +68,35 @@ class ShardedLayers:
                 self.units.append(unit)
 
     def begin(self) -> None:
-        """Before a step's first backward: gradients accumulate unsharded, nothing reduced or resharded by autograd."""
+        """Before a step: gradients accumulate unsharded, nothing reduced or resharded by autograd; by default FSDP2's
+        forward hooks off until :meth:`reduce`, and every layer gathered at the stage's first forward."""
         for unit in self.units:
             unit.set_requires_gradient_sync(False)
             unit.set_is_last_backward(False)
             unit.set_reshard_after_backward(False)
+        if self.reshard_after_forward or self._put_back:  # hooks on; or off, the layers whole (accumulation)
+            return
+        self._put_back = [fsdp_forward_hooks_off(unit) for unit in self.units]  # type: ignore[arg-type]
+        # At the first forward, not now: until then the module's parameters are the sharded ones the optimizer holds,
+        # as the code between a step's start and its pipeline may collect them. Every layer at once, in one order:
+        # the replicas' gathers match whichever layer their batches reach first.
+        layers: list[nn.Module] = self.units  # type: ignore[assignment]  # FSDPModule mixes into the layer's class
+        self._gather_at = [layer.register_forward_pre_hook(self._gather, prepend=True) for layer in layers]
+
+    def _gather(self, *_: object) -> None:
+        for handle in self._gather_at:
+            handle.remove()
+        self._gather_at = []
+        for unit in self.units:
+            unit.unshard()
+
+    def _hooks_on(self) -> None:
+        for handle in self._gather_at:
+            handle.remove()
+        self._gather_at = []
+        for put_back in self._put_back:
+            put_back()
+        self._put_back = []
 
     def reduce(self) -> None:
         """After the stage's last backward work of the step: each layer's gradient reduce-scattered into its shard
@@ -84,8 +115,10 @@ class ShardedLayers:
             unit.set_is_last_backward(True)
             unit.set_reshard_after_backward(True)
             fsdp_post_backward(unit)  # type: ignore[arg-type]
+        self._hooks_on()
 
     def reshard(self) -> None:
         """After a step without backward (evaluation): each layer's gathered parameters freed."""
         for unit in self.units:
             unit.reshard()
+        self._hooks_on()
