@@ -252,17 +252,8 @@ class Collectives:
             t0 = time.perf_counter()
             work = real(*args, **kwargs)
             self.seconds[name] += time.perf_counter() - t0
-            if work is not None and hasattr(work, "wait"):
-                wait = work.wait
-
-                def timed_wait(*a: Any, **k: Any) -> Any:
-                    t1 = time.perf_counter()
-                    try:
-                        return wait(*a, **k)
-                    finally:
-                        self.seconds[name] += time.perf_counter() - t1
-
-                work.wait = timed_wait
+            if isinstance(work, dist.Work):
+                work = _TimedWork(work, lambda seconds: self.seconds.__setitem__(name, self.seconds[name] + seconds))
             return work
 
         return call
@@ -273,6 +264,21 @@ class Collectives:
     def close(self) -> None:
         for name, fn in self.real.items():
             setattr(dist, name, fn)
+
+
+class _TimedWork(dist.Work):
+    """An asynchronous collective's work whose ``wait`` adds the time blocked in it (FSDP2 waits on a ``Work``)."""
+
+    def __init__(self, work: dist.Work, add: Callable[[float], None]) -> None:
+        super().__init__()
+        self.work, self.add = work, add
+
+    def wait(self, timeout: Any = None) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+        finally:
+            self.add(time.perf_counter() - t0)
 
 
 def model_state_at_drain(params: list[nn.Parameter]) -> int:

@@ -87,8 +87,15 @@ class ShardedLayers:
         for handle in self._gather_at:
             handle.remove()
         self._gather_at = []
+        # The next layer's gather in flight while this one's is copied out: one layer beyond the stage at a time.
+        pending = None
         for unit in self.units:
-            unit.unshard()
+            handle = unit.unshard(async_op=True)
+            if pending is not None:
+                pending.wait()
+            pending = handle
+        if pending is not None:
+            pending.wait()
 
     def _hooks_on(self) -> None:
         for handle in self._gather_at:
