@@ -52,6 +52,8 @@ WORLD4_CASES = (
     Case("fsdp_accumulate_clip_norm", batches=4, accumulate=2, clip=0.05, evaluate=True, data_parallel="fsdp"),
     Case("fsdp_manual_accumulate", batches=4, manual="accumulate", accumulate=2, data_parallel="fsdp"),
     Case("fsdp_sync_batchnorm", bn=True, sync_bn=True, batch=12, batches=2, evaluate=True, data_parallel="fsdp"),
+    # Validation after each batch: inside each window the layers are resharded with their gradients still whole.
+    Case("fsdp_evaluate", batches=4, accumulate=2, evaluate=True, val_check_interval=1, data_parallel="fsdp"),
 )
 
 

@@ -43,6 +43,9 @@ def _module(case: dict[str, Any]) -> Any:
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.losses.append(float(outputs["loss"]))
 
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", self.pipeline_loss(self.backbone(self.prefix(batch[0])), batch))
+
     return Module()
 
 
@@ -50,12 +53,16 @@ def _fit(module: Any, devices: int, strategy: Any, case: dict[str, Any], dp: int
     trainer = quiet_trainer(
         devices=devices,
         strategy=strategy,
-        max_steps=STEPS,
+        max_steps=STEPS // case.get("accumulate", 1),  # one epoch: the plain run's sampler has no later epochs
         precision="64-true",
         gradient_clip_val=case.get("clip"),
         sync_batchnorm=case.get("model") == "bn" and devices > 1,
+        accumulate_grad_batches=case.get("accumulate", 1),
+        # After every batch: inside each window the layers are resharded with their gradients still whole.
+        val_check_interval=1 if case.get("validate") else None,
+        limit_val_batches=1 if case.get("validate") else 0,
     )
-    trainer.fit(module, loader(devices, dp))
+    trainer.fit(module, loader(devices, dp), loader(devices, dp) if case.get("validate") else None)
     return trainer
 
 
@@ -111,6 +118,8 @@ CASES = [
     {"schedule": "gpipe", "reshard": True},
     {"schedule": "1f1b", "reshard": True, "checkpoint": "never"},
     {"schedule": None, "reshard": True},
+    {"schedule": "gpipe", "accumulate": 2, "validate": True},
+    {"schedule": "1f1b", "accumulate": 2, "validate": True, "reshard": True},
 ]
 
 
@@ -131,8 +140,10 @@ def test_sharded_replicas_train_as_one_device(case: dict[str, Any]) -> None:
         # Backbone layers sharded; the prefix and head (on every stage) whole.
         assert r["sharded"] and all(n.startswith("backbone.") for n in r["sharded"]), r["sharded"]
         # Each sharded layer gathered once a step for all M micro-batches, its gradient reduce-scattered once.
-        once = STEPS * r["units"]
-        if not case.get("reshard"):
+        once = STEPS // case.get("accumulate", 1) * r["units"]
+        if case.get("validate"):  # gathered again after each validation let the layers go; reduced once a window
+            assert r["calls"]["reduce_scatter"] == once and r["calls"]["all_gather"] > once, r["calls"]
+        elif not case.get("reshard"):
             assert r["calls"] == {"all_gather": once, "reduce_scatter": once}, r["calls"]
         else:  # gathered again after each forward freed it: M + 1 to 2M + 1 times a step; reduced once still
             M = case.get("chunks", 4)
@@ -150,7 +161,7 @@ def test_sharded_replicas_train_as_one_device(case: dict[str, Any]) -> None:
     # layout="auto" puts a stage's replicas on consecutive ranks under fsdp: rank k·D + d.
     assert [(r["pp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     replicas = [r["losses"] for r in results if r["pp_rank"] == 0]
-    for step in range(STEPS):  # each step's loss: the mean of the two replicas' (equal batch sizes)
+    for step in range(len(plain)):  # each step's loss: the mean of the two replicas' (equal batch sizes)
         mean = (replicas[0][step] + replicas[1][step]) / 2
         assert abs(mean - plain[step]) <= TOL * max(1.0, abs(plain[step])), (step, mean, plain[step])
 

@@ -62,7 +62,7 @@ def test_gradient_accumulation_with_data_parallel_replicas() -> None:
 
 
 @pytest.mark.timeout(T)
-@pytest.mark.parametrize("name", ["fsdp_accumulate_clip_norm", "fsdp_manual_accumulate"])
+@pytest.mark.parametrize("name", ["fsdp_accumulate_clip_norm", "fsdp_manual_accumulate", "fsdp_evaluate"])
 def test_sharded_replicas_accumulate_clip_and_step_manually(name: str) -> None:
     """pp=2 × dp=2 with data_parallel="fsdp": gradients accumulate whole over the window and are reduce-scattered
     once; clipping by the norm over stages and shards; manual_backward + opt.step() on the shards."""
@@ -138,6 +138,7 @@ def test_sync_batchnorm_over_sharded_replicas() -> None:
         (4, "sync_batchnorm"),
         (4, "fsdp_accumulate_clip_norm"),
         (4, "fsdp_sync_batchnorm"),
+        (4, "fsdp_evaluate"),
     ],
 )
 def test_validate_test_predict(world_size: int, name: str) -> None:
