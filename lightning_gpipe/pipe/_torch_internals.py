@@ -36,6 +36,11 @@ why no public API does it:
   its M forwards, re-materialized forwards and backwards have nothing to do but cost host time (1.2× a CPU step's
   forward and backward, ``benchmarks/results/fsdp``); FSDP2 has no switch for them.
 
+- ``abort_together``: ``torch.distributed.distributed_c10d._coalescing_manager``, the region torch's own
+  ``_abort_process_group`` aborts every NCCL communicator in (ncclGroupStart / ncclGroupEnd): aborted one after
+  another, one communicator's abort can wait on another's (pytorch#119797); torch's public abort takes one group or
+  all of them, the world's among them.
+
 Not counted, and pinned by the same test: ``Module._modules``, ``_parameters``, ``_buffers``, ``_forward_pre_hooks``
 and ``_forward_hooks``, the dicts every ``nn.Module`` method reads and writes (replacing a layer or a buffer under its
 name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_coalesced`` is the strategy's, in
@@ -44,6 +49,7 @@ name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_co
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,6 +61,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 __all__ = [
     "BatchNormBase",
+    "abort_together",
     "accumulate_grads",
     "forward_hooks_always_called",
     "fsdp_forward_hooks_off",
@@ -141,3 +148,20 @@ def fsdp_forward_hooks_off(module: nn.Module) -> Callable[[], None]:
             hooks.update((key, hook) for key, hook in now.items() if key not in before)
 
     return put_back
+
+
+def abort_together(groups: Sequence[Any], device: torch.device) -> None:
+    """Abort the NCCL process ``groups`` (each a ``ProcessGroup``) inside one coalescing region on ``device``, as torch
+    aborts all of its groups; if that region cannot be opened, one after another (a failure path must go on)."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    if not groups:
+        return
+    try:
+        with _coalescing_manager(groups[0], device):
+            for group in groups:
+                group.abort()
+    except Exception:  # the failure being handled matters more than how its groups went down
+        for group in groups:
+            with contextlib.suppress(Exception):
+                group.abort()

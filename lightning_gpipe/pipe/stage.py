@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe._torch_internals import tree_map
-from lightning_gpipe.pipe.comm.groups import process_groups, skip_groups
+from lightning_gpipe.pipe.comm.groups import link_groups, process_groups, skip_groups
 from lightning_gpipe.pipe.comm.links import Links
 from lightning_gpipe.pipe.comm.status import StatusCheck
 from lightning_gpipe.pipe.comm.transport import DEFAULT_TIMEOUT_S, Transport
@@ -63,18 +63,18 @@ class GPipeStage(nn.Module):
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"`` (see ``schedule``).
         batch_dim: the dimension that holds the samples in every tensor that is split or crosses a stage boundary:
             0, or 1 for time-major ``(T, N, ...)`` tensors (nn.GRU, nn.LSTM, nn.Transformer without batch_first).
-        group: the pipeline's process group, stage k = group rank k (default: the world).
+        group: the pipeline's process group, stage k = group rank k (default: the world). Where it runs transfers in
+            posting order (NCCL) the tensors travel on groups of their own, one per link and direction, which every
+            rank of the world makes at once (``comm.groups.link_groups``; see ``comm.transport``).
         header_group: a gloo group over the same ranks for headers and status checks (made for you if needed).
-        upstream_group: a second group over the same ranks for the tensors that flow to lower stages (gradients):
-            NCCL runs one group's transfers in posting order, so both directions on one group would deadlock (made
-            for you over the world; needed with an NCCL subgroup; gloo uses ``group`` for both, see ``transport``).
         deferred_batch_norm: defer the running statistics of every BatchNorm layer, in place (subclasses keep their
             forward; see :func:`~lightning_gpipe.pipe.state.batchnorm.convert_deferred_batch_norm`).
         output: ``"last"`` returns the output on the last stage only; ``"all"`` on every stage; ``"placeholder"``
             gives the other stages zeros of the same structure, shapes and dtypes (no tensor data crosses).
             Settable later as :attr:`output_mode`.
         device: where received tensors go (default: the current CUDA device with NCCL, else the CPU).
-        timeout: seconds to wait for a peer before raising :class:`PipelineTimeout`.
+        timeout: seconds to wait for a peer before raising :class:`PipelineTimeout`; the timeout of the groups the
+            stage makes.
         timeline: record per-micro-batch events in ``self.timeline``.
         virtual_stages: v, the virtual stages of layers each rank holds: the backbone is split into vK stages
             (``balance`` gives vK counts, or is solved for vK parts) and rank r holds the non-adjacent stages r, r + K,
@@ -92,7 +92,6 @@ class GPipeStage(nn.Module):
         batch_dim: int = 0,
         group: dist.ProcessGroup | None = None,
         header_group: dist.ProcessGroup | None = None,
-        upstream_group: dist.ProcessGroup | None = None,
         deferred_batch_norm: bool = True,
         sample: Any = None,
         output: OutputMode = "last",
@@ -116,7 +115,8 @@ class GPipeStage(nn.Module):
         output = one_of(output, OUTPUT_MODES, "output")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim must be an int ≥ 0 (0: batch-first, 1: time-major), got {batch_dim!r}")
-        groups = process_groups(group, header_group, upstream_group)
+        wait = timedelta(seconds=timeout)
+        groups = process_groups(group, header_group, wait)
         self._index = dist.get_rank(groups[0]) if groups else 0
         self._num_stages = dist.get_world_size(groups[0]) if groups else 1
         self._chunks = chunks
@@ -151,13 +151,11 @@ class GPipeStage(nn.Module):
         self._timeline = Timeline(self._index, enabled=timeline, device=self._device)
         links = None
         if groups:
-            wait = timedelta(seconds=timeout)
-            transport = Transport(
-                groups[0], device=self._device, timeout=wait, header_group=groups[1], upstream_group=groups[2]
-            )
+            links_ = link_groups(groups[0], r, K, wait)
+            transport = Transport(groups[0], device=self._device, timeout=wait, header_group=groups[1], links=links_)
             links = Links(transport, StatusCheck(groups[1], self._index, wait), self._index, self._timeline)
             if skips is not None:
-                transport.add_skip_groups(skip_groups(groups[0], r, skip_pairs(skips), K))
+                transport.add_skip_groups(skip_groups(groups[0], r, skip_pairs(skips), K, wait))
         notices = skip_notices(skips, r, K)
         self._failures = FailureHandler(self._index, K, links, self._timeline, ring=v > 1, skip_notices=notices)
         self._executors = [

@@ -14,7 +14,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_gpipe.pipe.comm.groups import runs_in_order
 from lightning_gpipe.pipe.dp.hierarchy import Hierarchy, build_hierarchies
 from lightning_gpipe.strategy._arguments import DpReduction, Layout
 from lightning_gpipe.strategy._lightning_internals import init_dist_connection
@@ -35,8 +34,6 @@ class PipelineMesh:
     ``header_group`` the same ranks as ``pp_group`` over gloo: the engine reads headers and status on the CPU (and
     the stages vote there on which copied gradients to sum). ``dp_cpu_group``: the same ranks as ``dp_group`` over
     gloo, where the replicas vote on which gradients to average: a host-side fact, read without waiting for the GPU.
-    ``upstream_group``: the same ranks again, for the tensors that flow to lower stages, where one group would run
-    both directions in one order (NCCL: see ``pipe.comm.transport``), else ``pp_group``.
     ``timeout_s``: how long a rank waits for another, the process groups' timeout. ``dp_hierarchy``: this rank's
     part of the hierarchical data-parallel reduction, or None for the flat one. ``input_group``: the pipeline's
     stages over gloo for the batches stage 0 loads for them (``data_loading="first_stage"``), else None.
@@ -49,7 +46,6 @@ class PipelineMesh:
     dp_group: dist.ProcessGroup
     header_group: dist.ProcessGroup
     dp_cpu_group: dist.ProcessGroup
-    upstream_group: dist.ProcessGroup
     timeout_s: float
     dp_hierarchy: Hierarchy | None = None
     input_group: dist.ProcessGroup | None = None
@@ -82,13 +78,11 @@ class PipelineMesh:
         mesh = init_device_mesh(device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)
         pipelines, replicas = _rank_sets(mesh, "pipeline_parallel"), _rank_sets(mesh, "data_parallel")
         pp_group, dp_group = mesh["pipeline_parallel"].get_group(), mesh["data_parallel"].get_group()
-        header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _own_group(pipelines, rank)
-        dp_cpu_group = dp_group if dist.get_backend(dp_group) == "gloo" else _own_group(replicas, rank)
-        upstream = pp_group
-        if runs_in_order(pp_group):
-            upstream = _own_group(pipelines, rank, backend=str(dist.get_backend(pp_group)))
+        wait = timeout or default_pg_timeout
+        header_group = pp_group if dist.get_backend(pp_group) == "gloo" else _own_group(pipelines, rank, wait)
+        dp_cpu_group = dp_group if dist.get_backend(dp_group) == "gloo" else _own_group(replicas, rank, wait)
         # Its own group: the feed's thread broadcasts while the main thread talks on the others.
-        inputs = _own_group(pipelines, rank) if input_group and K > 1 else None
+        inputs = _own_group(pipelines, rank, wait) if input_group and K > 1 else None
         hierarchy = None
         if hierarchical(dp_reduction, replicas, per_node):
             hierarchy = build_hierarchies(replicas, lambda r: r // per_node, rank)
@@ -97,9 +91,9 @@ class PipelineMesh:
                     f"GPipeStrategy: data-parallel reduction in steps over {hierarchy.nodes} nodes: within each node, "
                     "among one rank per node, then back (data_parallel_reduction='hierarchical')"
                 )
-        timeout_s = (timeout or default_pg_timeout).total_seconds()
+        timeout_s = wait.total_seconds()
         grid = mesh.mesh.permute(*(names.index(n) for n in _GRID)).tolist()  # [d][k][t]
-        args = (pp_group, dp_group, header_group, dp_cpu_group, upstream, timeout_s, hierarchy, inputs, grid)
+        args = (pp_group, dp_group, header_group, dp_cpu_group, timeout_s, hierarchy, inputs, grid)
         return cls(K, rank, mesh, *args)
 
     def rank_of(self, d: int, k: int, t: int = 0) -> int:
@@ -135,10 +129,10 @@ def _rank_sets(mesh: DeviceMesh, dim: str) -> list[list[int]]:
     return ranks.movedim(i, -1).reshape(-1, ranks.size(i)).tolist()
 
 
-def _own_group(rank_sets: list[list[int]], rank: int, backend: str = "gloo") -> dist.ProcessGroup:
+def _own_group(rank_sets: list[list[int]], rank: int, timeout: timedelta) -> dist.ProcessGroup:
     mine = None
     for ranks in rank_sets:  # new_group is collective over the world: all create all, in the same order
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         if rank in ranks and isinstance(group, dist.ProcessGroup):
             mine = group
     assert mine is not None

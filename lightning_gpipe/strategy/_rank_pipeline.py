@@ -370,7 +370,6 @@ def _stage(
         batch_dim=options.batch_dim,
         group=mesh.pp_group,
         header_group=mesh.header_group,
-        upstream_group=mesh.upstream_group,
         deferred_batch_norm=options.deferred_batch_norm,
         output=options.output,
         device=device,

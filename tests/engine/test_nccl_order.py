@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.comm.groups import link_groups
 from lightning_gpipe.pipe.comm.nccl_order import ENV, OrderedP2P, P2POrderError
 from lightning_gpipe.pipe.comm.transport import Transport
 from lightning_gpipe.pipe.schedule.registry import SCHEDULES as REGISTRY
@@ -41,10 +43,10 @@ def _one_group_traffic(rank: int, world_size: int, split: bool) -> str:
     _ordered()
     world = dist.group.WORLD
     assert world is not None
-    upstream = dist.new_group(backend="gloo") if split else world
     # A hang is caught after the timeout: short where one is expected, long where a loaded machine must not fake one.
     timeout = timedelta(seconds=30 if split else 4)
-    tr = Transport(world, device=torch.device("cpu"), timeout=timeout, upstream_group=upstream)
+    links = link_groups(world, rank, 2, timeout) if split else None
+    tr = Transport(world, device=torch.device("cpu"), timeout=timeout, links=links)
     a = [torch.full((64,), float(m)) for m in range(2)]
     try:
         if rank == 0:
@@ -70,7 +72,7 @@ def test_one_group_for_both_directions_is_caught_as_a_deadlock() -> None:
     assert "stuck at its send to rank 0 (256 bytes)" in stage1, stage1
 
 
-def test_one_group_per_direction_runs_the_same_traffic() -> None:
+def test_one_group_per_link_and_direction_runs_the_same_traffic() -> None:
     assert run_distributed(_one_group_traffic, 2, True, timeout=90) == ["g0=0.0", "a1=1.0"]
 
 
@@ -95,21 +97,49 @@ def test_a_receive_meeting_another_send_is_an_error() -> None:
     assert "would meet rank 0's send of 4 bytes" in text and "different orders" in text, text
 
 
-def _subgroup_without_upstream(rank: int, world_size: int) -> str:
+def _groups_used(rank: int, world_size: int, dp: int) -> dict[str, Any]:
+    """A loss-inside step and an evaluation at K = world_size / dp, every group a data transfer ran on recorded."""
     _ordered()
-    pipe = dist.new_group([0, 1], backend="gloo")
-    if rank == 2:
-        return "not in the pipeline"
-    try:
-        GPipeStage(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2, group=pipe)
-    except ValueError as e:
-        return str(e)
-    return "built"
+    used: list[dist.ProcessGroup] = []
+    real_init = OrderedP2P.__init__
+
+    def recording(self: OrderedP2P, group: dist.ProcessGroup, *args: Any, **kwargs: Any) -> None:
+        used.append(group)
+        real_init(self, group, *args, **kwargs)
+
+    OrderedP2P.__init__ = recording  # type: ignore[method-assign]
+    K, pipe = world_size // dp, None
+    for d in range(dp):  # new_group is collective over the world: every rank makes every group
+        group = dist.new_group(list(range(d * K, (d + 1) * K)), backend="gloo")
+        if rank // K == d:
+            pipe = group
+    stage = GPipeStage(backbone(), chunks=3, group=None if dp == 1 else pipe, timeout=37)
+    x, _ = batch(seed=0)
+    stage.forward_backward(x, lambda out, m: out.square().sum(), schedule="gpipe")
+    stage.output_mode = "all"
+    with torch.no_grad():
+        stage(x)
+    OrderedP2P.__init__ = real_init  # type: ignore[method-assign]
+    return {
+        "sizes": sorted(dist.get_world_size(g) for g in used),
+        "world": any(g is dist.group.WORLD for g in used),
+        "pipeline": any(g is pipe for g in used),
+        "timeouts": {g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in used},
+    }
 
 
-def test_a_subgroup_needs_its_upstream_group_where_order_matters() -> None:
-    for text in run_distributed(_subgroup_without_upstream, 3, timeout=60)[:2]:
-        assert "pass upstream_group=" in text, text
+@pytest.mark.parametrize(("world_size", "dp"), [(3, 1), (4, 2)])
+def test_tensors_travel_on_a_group_per_link_never_on_the_world_or_pipeline_group(world_size: int, dp: int) -> None:
+    """At dp = 1 the pipeline's group is the world's, whose queue every collective shares and which a failure does
+    not abort: each link and direction has a two-rank group of its own, with the stage's timeout."""
+    for rank, r in enumerate(run_distributed(_groups_used, world_size, dp, timeout=90)):
+        assert r["sizes"] and set(r["sizes"]) == {2}, (rank, r)
+        assert not r["world"] and not r["pipeline"], (rank, r)
+        assert r["timeouts"] == {37.0}, (rank, r)
+        # K = 3, the queues used: rank 0 to and from rank 1 and the output from rank 2; rank 1 to and from each
+        # neighbour (the output from rank 2 shares that link); rank 2 to and from rank 1 and the output to rank 0.
+        if world_size // dp == 3:
+            assert len(r["sizes"]) == [3, 4, 3][rank], (rank, r)
 
 
 # ------------------------------------------------------------------------------------------------- the matrix
@@ -175,20 +205,18 @@ def _paths(stage: GPipeStage, x: torch.Tensor, y: torch.Tensor, checkpoint: str)
 def _matrix(rank: int, world_size: int, K: int) -> list[str]:
     _ordered()
     dp = world_size // K
-    pipe = upstream = None
+    pipe = None
     for d in range(dp):  # new_group is collective over the world: every rank makes every group
         ranks = list(range(d * K, (d + 1) * K))
-        groups = dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo")
+        group = dist.new_group(ranks, backend="gloo")
         if rank in ranks:
-            pipe, upstream = groups
-    if dp == 1:
-        pipe = upstream = None  # the world: GPipeStage makes the upstream group itself
+            pipe = group
     replica = rank // K
     x, y = batch(seed=replica, n=11 if K < 4 else 5)  # different data per replica; M = 3 uneven, or M < K = 4
     done = []
     for checkpoint in ("except_last", "always"):
         stage = GPipeStage(
-            copy.deepcopy(backbone()), chunks=3, checkpoint=checkpoint, group=pipe, upstream_group=upstream, timeout=30
+            copy.deepcopy(backbone()), chunks=3, checkpoint=checkpoint, group=pipe if dp > 1 else None, timeout=30
         )
         done += _paths(stage, x, y, checkpoint)
     return done
@@ -205,13 +233,13 @@ def test_every_path_runs_under_nccl_rules(K: int, world_size: int) -> None:
 
 
 def _old_layout(rank: int, world_size: int) -> str:
-    """The transport as it was: activations and gradients on one group, which the stage now refuses."""
-    import lightning_gpipe.pipe.comm.groups as groups_module
+    """The transport as it once was: activations and gradients on one group."""
+    import lightning_gpipe.pipe.stage as stage_module
 
     _ordered()
-    groups_module.check_upstream_group = lambda group, upstream: None  # type: ignore[assignment]
+    stage_module.link_groups = lambda *args: {}  # type: ignore[assignment]
     x, _ = batch(seed=0)
-    stage = GPipeStage(backbone(), chunks=3, group=dist.group.WORLD, upstream_group=dist.group.WORLD, timeout=4)
+    stage = GPipeStage(backbone(), chunks=3, group=dist.group.WORLD, timeout=4)
 
     def loss_fn(out: torch.Tensor, m: int) -> torch.Tensor:
         return out.square().sum()

@@ -10,6 +10,7 @@ from collections import namedtuple
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe import _torch_internals as internals
@@ -163,3 +164,12 @@ def test_fsdp_forward_hooks_off_reaches_fsdp2s_hook_handles() -> None:
     source = inspect.getsource(FSDPState.init)
     assert "self._pre_forward_hook_handle = modules[0].register_forward_pre_hook(" in source
     assert "self._post_forward_hook_handle = modules[0].register_forward_hook(" in source
+
+
+def test_abort_together_uses_the_region_torch_aborts_its_groups_in() -> None:
+    """torch aborts all its groups inside ``_coalescing_manager`` (pytorch#119797); ours run in the same region."""
+    from torch.distributed import distributed_c10d
+
+    assert callable(distributed_c10d._coalescing_manager) and callable(dist.ProcessGroup.abort)
+    source = inspect.getsource(distributed_c10d._abort_process_group)
+    assert "with _coalescing_manager(pg, coalescing_device):" in source and "pg_to_abort.abort()" in source

@@ -246,3 +246,24 @@ def test_a_stage_that_gets_another_micro_batch_than_it_waits_for_says_so() -> No
     with pytest.raises(RuntimeError, match="waited for micro-batch 0's input and got micro-batch 1's from stage 0"):
         links.receive(0, training=True)
     assert links.receive(1, training=True)[1]["m"] == 1
+
+
+class _FailedWork:
+    """A send whose stream hit an asynchronous CUDA error: NCCL's ``is_completed`` raises it."""
+
+    def is_completed(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_send_that_raises_on_its_completion_check_does_not_stop_the_failure_path() -> None:
+    """After a failure the handler asks which peers have not received yet and drops the sends; a work that raises
+    there (an asynchronous CUDA error) must count as ended, or the error notices to the other stages are skipped."""
+    transport = Transport.__new__(Transport)  # the bookkeeping alone: no process group needed
+    buf = torch.zeros(1)
+    transport._pending_sends = [(_FailedWork(), buf, 1, True), (_FailedWork(), buf, 2, False)]
+    assert transport.unreceived() == []
+    transport.abandon_sends(grace_s=0.5)
+    assert transport._pending_sends == []
+    transport._pending_sends = [(_FailedWork(), buf, 1, True)]
+    transport.retire_sends()
+    assert transport._pending_sends == []

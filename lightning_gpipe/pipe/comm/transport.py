@@ -2,14 +2,15 @@
 
 A message is one fixed-size header (plus an overflow part for very large structures) followed by the raw bytes of
 each tensor. The header says the structure, every tensor's dtype, shape and whether it needs a gradient, so shapes
-and dtypes may change with every message. Headers travel on a CPU (gloo) group, tensors on two data groups (gloo
-on CPU, NCCL on GPU), one per direction: ``group`` carries what flows to higher stages (activations), and
-``upstream_group`` what flows to lower ones (gradients, the shared output). NCCL runs one communicator's transfers in
-posting order and a large send ends only when its receive runs, so activations and gradients queued on one
-communicator form a cycle (stage 0: send a0, send a1, recv g0; the last stage: recv a0, send g0, recv a1) that
-hangs; per direction, every queue runs in one order that both of its ends agree on (``nccl_order`` checks it on CPU).
-Long skips get groups of their own where order matters (one per pair of stages and direction, over the two ranks),
-so that they never queue behind the chain's traffic, nor it behind them, nor one pair's behind another's.
+and dtypes may change with every message. Headers travel on a CPU (gloo) group, tensors on data groups (gloo on
+CPU, NCCL on GPU). NCCL runs one communicator's transfers in posting order and a large send ends only when its
+receive runs, so activations and gradients queued on one communicator form a cycle (stage 0: send a0, send a1,
+recv g0; the last stage: recv a0, send g0, recv a1) that hangs, and a middle stage's receive from k − 1 would wait
+behind its own send to k + 1. Where order matters each link and direction has a group of its own over its two ranks
+(``groups.link_groups``: k → k + 1, k + 1 → k, the ring's hop for interleaving, the last stage's output), and so does
+each long skip (one per pair of stages and direction); no tensor travels on the pipeline's group, which at dp = 1 is
+the world's, shared with every collective. Every queue then runs in one order that both of its ends agree on
+(``nccl_order`` checks it on CPU). On gloo, which buffers sends and matches by tag, the pipeline's group carries them.
 
 Sends never block: they are queued and retired once the peer has received them. On NCCL a wait for tensor data
 makes the CUDA stream wait, not the host (the header, on gloo, already told the host what comes and from whom, and
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
+from lightning_gpipe.pipe._torch_internals import abort_together, tree_flatten, tree_map
 from lightning_gpipe.pipe.comm import nccl_order
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.microbatch import differentiable
@@ -54,6 +55,8 @@ def skip_tags(pair: int) -> tuple[int, int]:
 
 # A long skip's group for one direction of one pair of stages, and the peer's rank in it; by the data tag it carries.
 SkipGroups = dict[int, tuple[dist.ProcessGroup, int]]
+# A link's group for one direction, and the peer's rank in it; by (the sending stage, the receiving stage).
+LinkGroups = dict[tuple[int, int], tuple[dist.ProcessGroup, int]]
 
 
 @dataclass(frozen=True)
@@ -140,22 +143,19 @@ class Transport:
         device: torch.device,
         timeout: timedelta,
         header_group: dist.ProcessGroup | None = None,
-        upstream_group: dist.ProcessGroup | None = None,
+        links: LinkGroups | None = None,
     ) -> None:
         self.group = group
-        self.upstream_group = upstream_group if upstream_group is not None else group
         self.header_group = header_group if header_group is not None else group
+        self.links: LinkGroups = dict(links or {})
         self.stage = dist.get_rank(group)
         self.device = device
         self.timeout = timeout
         # On NCCL a data wait is a CUDA stream's (work.wait() with a timeout would poll on the host).
         self.stream_waits = "nccl" in str(dist.get_backend(group)).lower()
+        # A model of NCCL on gloo (NCCL itself needs none): one in-order queue per group, made at its first use.
         self._ordered: dict[str, nccl_order.OrderedP2P] = {}
-        if nccl_order.enabled() and not self.stream_waits:  # a model of NCCL, on gloo; NCCL itself needs none
-            stall_s = timeout.total_seconds()
-            self._ordered["down"] = nccl_order.OrderedP2P(group, "downstream", stall_s)
-            up = self._ordered["down"] if self.upstream_group is group else None
-            self._ordered["up"] = up or nccl_order.OrderedP2P(self.upstream_group, "upstream", stall_s)
+        self._models_nccl = nccl_order.enabled() and not self.stream_waits
         # (work, buffer, peer, whether it is tensor data): kept until the peer received it.
         self._pending_sends: list[tuple[Any, torch.Tensor, int, bool]] = []
         # Long skips' own groups by data tag (see add_skip_groups).
@@ -168,35 +168,37 @@ class Transport:
         """Send the tensors of each data tag in ``groups`` on its group (``groups.skip_groups``, made where transfers
         run in posting order; elsewhere the pipeline group's tags keep them apart)."""
         self._skip_groups.update(groups)
-        if nccl_order.enabled() and not self.stream_waits:
-            for tag, (group, _) in groups.items():
-                name = f"skip tag {tag}"
-                self._ordered[name] = nccl_order.OrderedP2P(group, name, self.timeout.total_seconds())
 
-    def _data_group(self, peer: int, tag: int, downstream: bool) -> tuple[str, dist.ProcessGroup, int]:
-        """The group a tensor to or from stage ``peer`` travels on (``downstream``: towards higher stages), its name
-        in ``_ordered``, and the peer's rank in it."""
+    def _data_group(self, src: int, dst: int, tag: int) -> tuple[str, dist.ProcessGroup, int]:
+        """The group a tensor from stage ``src`` to stage ``dst`` travels on, its name, and the peer's rank in it."""
         if tag in self._skip_groups:
             group, rank = self._skip_groups[tag]
             return f"skip tag {tag}", group, rank
-        direction = "down" if downstream else "up"
-        return direction, self.group if downstream else self.upstream_group, peer
+        if (src, dst) in self.links:
+            group, rank = self.links[src, dst]
+            return f"{src} → {dst}", group, rank
+        return "pipeline", self.group, dst if src == self.stage else src
+
+    def _queue(self, name: str, group: dist.ProcessGroup) -> nccl_order.OrderedP2P:
+        if name not in self._ordered:
+            self._ordered[name] = nccl_order.OrderedP2P(group, name, self.timeout.total_seconds())
+        return self._ordered[name]
 
     def _irecv(self, buf: torch.Tensor, src: int, tag: int, header: bool) -> Any:
         if header:
             return dist.irecv(buf, group=self.header_group, group_src=src, tag=tag)
         self.bytes_received[src] += buf.numel()
-        name, group, peer = self._data_group(src, tag, downstream=src < self.stage)
-        if self._ordered:
-            return self._ordered[name].irecv(buf, peer)
+        name, group, peer = self._data_group(src, self.stage, tag)
+        if self._models_nccl:
+            return self._queue(name, group).irecv(buf, peer)
         return dist.irecv(buf, group=group, group_src=peer, tag=tag)
 
     def _isend(self, buf: torch.Tensor, dst: int, tag: int, header: bool) -> None:
-        name, group, peer = ("", self.header_group, dst) if header else self._data_group(dst, tag, dst > self.stage)
+        name, group, peer = ("", self.header_group, dst) if header else self._data_group(self.stage, dst, tag)
         work: Any
         try:
-            if not header and self._ordered:
-                work = self._ordered[name].isend(buf, peer)
+            if not header and self._models_nccl:
+                work = self._queue(name, group).isend(buf, peer)
             else:
                 work = dist.isend(buf, group=group, group_dst=peer, tag=tag)
         except RuntimeError as e:
@@ -278,11 +280,11 @@ class Transport:
 
     def retire_sends(self) -> None:
         """Drop the sends the peers have received, releasing their buffers; never blocks."""
-        self._pending_sends = [s for s in self._pending_sends if not s[0].is_completed()]
+        self._pending_sends = [s for s in self._pending_sends if not _ended(s[0])]
 
     def unreceived(self) -> list[int]:
         """The stages that have not yet received something this stage sent them."""
-        return sorted({d for w, _, d, _ in self._pending_sends if not w.is_completed()})
+        return sorted({d for w, _, d, _ in self._pending_sends if not _ended(w)})
 
     def wait_sends(self) -> None:
         """Wait until the peers received every send (on NCCL, the stream waits for the data: no host sync)."""
@@ -297,16 +299,17 @@ class Transport:
         """After a failure: cancel every transfer this rank posted on the data groups, and any later one.
 
         NCCL would otherwise keep receives posted ahead of the failure (and the kernels waiting on them) until its
-        watchdog fires; the groups are not used again (the pipeline refuses to run after a failure). The world's
-        group is left alone: aborting it would take every later collective of the process (Lightning's teardown)
-        with it. Headers (error notices among them) still go out."""
-        for ordered in {id(o): o for o in self._ordered.values()}.values():
+        watchdog fires; the groups are not used again (the pipeline refuses to run after a failure). They are aborted
+        together, as torch aborts its own (one communicator's abort can wait on another's, pytorch#119797). The
+        world's group is left alone: aborting it would take every later collective of the process (Lightning's
+        teardown) with it. Headers (error notices among them) still go out."""
+        for ordered in self._ordered.values():
             ordered.abort()
         if self.stream_waits:
-            skips = [g for g, _ in self._skip_groups.values()]
-            for group in {id(g): g for g in (self.group, self.upstream_group, *skips)}.values():
-                if group is not dist.group.WORLD:
-                    group.abort()
+            data = [g for g, _ in (*self.links.values(), *self._skip_groups.values())]
+            if self.group is not dist.group.WORLD:
+                data.append(self.group)
+            abort_together(list({id(g): g for g in data}.values()), self.device)
         self._pending_sends = [s for s in self._pending_sends if not s[3]]
 
     def abandon_sends(self, grace_s: float = 2.0) -> None:
@@ -316,6 +319,15 @@ class Transport:
         polled, not waited on, for up to ``grace_s`` so that the peer gets it and fails on its own instead of hanging.
         """
         deadline = time.monotonic() + grace_s
-        while any(not s[0].is_completed() for s in self._pending_sends) and time.monotonic() < deadline:
+        while any(not _ended(s[0]) for s in self._pending_sends) and time.monotonic() < deadline:
             time.sleep(0.001)
         self._pending_sends.clear()
+
+
+def _ended(work: Any) -> bool:
+    """Whether ``work`` will do nothing more: completed, or failed (after an asynchronous CUDA error NCCL's
+    ``is_completed`` raises it, which must not stop a failure handler from telling the other stages)."""
+    try:
+        return bool(work.is_completed())
+    except RuntimeError:
+        return True

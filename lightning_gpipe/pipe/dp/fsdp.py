@@ -90,10 +90,10 @@ class ShardedLayers:
         # The next layer's gather in flight while this one's is copied out: one layer beyond the stage at a time.
         pending = None
         for unit in self.units:
-            handle = unit.unshard(async_op=True)
+            gathering = unit.unshard(async_op=True)
             if pending is not None:
                 pending.wait()
-            pending = handle
+            pending = gathering
         if pending is not None:
             pending.wait()
 

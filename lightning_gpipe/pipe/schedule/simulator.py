@@ -21,11 +21,14 @@ What it assumes the runtime does (``forward_backward``, ``Executor.forward_micro
   NCCL the host does not wait for tensor data (the stream does), but each queue's order is the actions' order,
   which is all the model needs. ``nccl=False`` models gloo: buffered sends, matched in order, no queue. Headers
   travel on a gloo group and are not modelled.
-* The communicator layout is the runtime's, ``layout="rank-order"``: ``Transport._data_group`` sends to a higher
-  rank on the downstream group and to a lower one on the upstream group (two communicators over the same ranks,
-  ``upstream_group_for``). ``"flow"``: activations on one, gradients on the other, whatever the ranks; ``"link"``: a
-  communicator per ordered pair of ranks; ``"single"``: one for everything (the layout that hung, to show the check
-  catches it). A transfer between two virtual stages of one rank is a local hand-off.
+* The communicator layout is the runtime's, ``layout="link"``: ``Transport._data_group`` sends each directed pair of
+  ranks' tensors on a communicator of their own (``groups.link_groups``), so a rank's receive never waits behind its
+  own send to another rank. ``"rank-order"``: the layout before it, two communicators over the pipeline's ranks, one
+  for sends to a higher rank and one for sends to a lower rank (a middle rank's receive from below then queues
+  behind its send above: about 1.5× the makespan of gpipe with the loss inside at K = 4–8 once transfers cost,
+  ``tests/engine/test_schedules.py``); ``"flow"``: activations on one, gradients on the other, whatever the ranks;
+  ``"single"``: one for everything (the layout that hung, to show the check catches it). A transfer between two
+  virtual stages of one rank is a local hand-off.
 """
 
 from __future__ import annotations
@@ -329,7 +332,7 @@ def simulate(
     v: int = 1,
     costs: Costs | Mapping[tuple[int, int], Costs] | None = None,
     *,
-    layout: Layout = "rank-order",
+    layout: Layout = "link",
     nccl: bool = True,
     checkpoint: Checkpoint = "never",
 ) -> SimulationResult:
