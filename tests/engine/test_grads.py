@@ -6,6 +6,7 @@ import math
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 import torch
@@ -546,8 +547,9 @@ def _replica_groups_check(rank: int, world_size: int) -> list[list[int]]:
     for K in (1, 2, 4):
         mesh = init_device_mesh("cpu", (world_size // K, K), mesh_dim_names=("dp", "pp"))
         dp = mesh["dp"].get_group()
-        twin = _own_group(_rank_sets(mesh, "dp"), rank)
+        twin = _own_group(_rank_sets(mesh, "dp"), rank, timedelta(seconds=33))
         assert dist.get_backend(twin) == "gloo"
+        assert twin._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=33)
         assert dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(dp), K
         BucketedAllReduce([], dp, vote_group=twin)  # accepted as the dp group's vote group
         out.append(dist.get_process_group_ranks(twin))
