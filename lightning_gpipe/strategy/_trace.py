@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.trace.events import Event, gather_events, write_chrome_trace
+from lightning_gpipe.pipe.trace.events import Mark, gather_events, write_chrome_trace
 from lightning_gpipe.pipe.trace.stats import summary_line
 from lightning_gpipe.strategy._mesh import PipelineMesh
 
@@ -47,7 +47,7 @@ class StepTracer:
         timeline = stage.timeline
         timeline.clear()
         timeline.enabled = True
-        timeline.now()  # let the previous step's queued GPU work finish before the clocks are lined up
+        timeline.anchor()  # between steps: the previous step's queued GPU work done, where device and host clocks meet
         dist.barrier(group=mesh.header_group)
         self._origin, self._step = _shared_origin(time.perf_counter_ns(), mesh.header_group), step
 
@@ -56,27 +56,27 @@ class StepTracer:
         timeline = stage.timeline
         if self._origin is None or not timeline.enabled:
             return
-        forward = [e for e in timeline.events if e.kind == "step" and e.label == "forward"]
-        if forward:
-            timeline.events.append(Event("loss", timeline.stage, -1, forward[-1].end_ns, timeline.now()))
+        forward_end = timeline.end_of("step", "forward")
+        if forward_end is not None:
+            timeline.add("loss", forward_end, timeline.mark())
 
     def optimizer_step(self, stage: GPipeStage, mesh: PipelineMesh, step: OptimizerStep, closure: Closure) -> Any:
         """``step(closure)``, the optimizer step, timed as the update and ending a traced step."""
         if self.dir is None:
             return step(closure)
         # The closure may run the step's training_step, and so start the trace: whether to end it is known after.
-        closed: list[int] = []
+        closed: list[Mark] = []
         timeline = stage.timeline
 
         def timed_closure() -> Any:
             result = closure()
-            closed.append(timeline.now())  # the update (clipping and the step) starts here
+            closed.append(timeline.mark())  # the update (clipping and the step) starts here
             return result
 
-        start = timeline.now()
+        start = timeline.mark()
         out = step(timed_closure)
         if self._origin is not None:
-            timeline.events.append(Event("update", timeline.stage, -1, closed[-1] if closed else start, timeline.now()))
+            timeline.add("update", closed[-1] if closed else start, timeline.mark())
             self._end(stage, mesh.header_group, self.dir)
         return out
 

@@ -51,27 +51,79 @@ def chunk_letter(chunk: int) -> str:
     return chr(ord("a") + chunk) if chunk >= 0 else ""
 
 
+# A point in time as a timeline takes it: the host clock (ns), or on CUDA an event the stream reaches.
+Mark = int | torch.cuda.Event
+
+
 class Timeline:
     """Cheap event recorder: two clock reads and an append per event, nothing when disabled.
 
     Times come from ``time.perf_counter_ns`` (CLOCK_MONOTONIC on Linux), which all processes on one host share, so
-    the stages of a single-machine pipeline line up without clock synchronisation. On a CUDA ``device`` each event
-    first waits for the queued kernels (only while enabled): otherwise it would time their launch, not their work.
+    the stages of a single-machine pipeline line up without clock synchronisation. On a CUDA ``device`` an event's
+    ends are CUDA events recorded on the stream, so that it times the kernels' work, not their launch, and the host
+    never waits for the device within a step (a synchronize after each send would make every send blocking, and the
+    loss-inside schedules deadlock once messages exceed NCCL's buffers). They are read into the host clock when
+    :attr:`events` is read, against an anchor: :meth:`anchor` (the one wait for the device, where a traced step
+    begins), else the first event, taken as reached when recorded.
     """
 
     def __init__(self, stage: int, enabled: bool = False, device: Any = None) -> None:
         self.stage = stage
         self.enabled = enabled
-        self.events: list[Event] = []
-        self._sync = None
-        if device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda":
-            self._sync = lambda: torch.cuda.synchronize(device)
+        self._events: list[Event] = []
+        self._cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        self._pending: list[tuple[str, int, str, int, Mark, Mark]] = []  # recorded, not yet read into the host clock
+        self._anchor: tuple[torch.cuda.Event, int] | None = None  # a device event and the host clock it meets
 
-    def now(self) -> int:
-        """The clock, after the device's queued work while enabled (for events recorded by hand)."""
-        if self.enabled and self._sync is not None:
-            self._sync()
-        return time.perf_counter_ns()
+    @property
+    def events(self) -> list[Event]:
+        """The events recorded so far, in the host clock (on CUDA each waits for its own end event, not for the
+        device: read them after the step)."""
+        for kind, m, label, chunk, start, end in self._pending:
+            self._events.append(Event(kind, self.stage, m, self._ns(start), self._ns(end), label, chunk))
+        self._pending.clear()
+        return self._events
+
+    def anchor(self) -> int:
+        """The host clock once the device's queued work is done (a wait for the device): where the device's times
+        meet the host's. Call it between steps, never within one."""
+        if not self._cuda:
+            return time.perf_counter_ns()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        event.synchronize()
+        self._anchor = (event, time.perf_counter_ns())
+        return self._anchor[1]
+
+    def mark(self) -> Mark:
+        """Now: the host clock, or on CUDA (while enabled) an event the stream reaches after the work queued so far."""
+        if not (self._cuda and self.enabled):
+            return time.perf_counter_ns()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if self._anchor is None:  # no anchor taken: this first event, as if the device reached it now
+            self._anchor = (event, time.perf_counter_ns())
+        return event
+
+    def add(self, kind: str, start: Mark, end: Mark, micro_batch: int = -1, label: str = "", chunk: int = -1) -> None:
+        """An event recorded by hand, between two :meth:`mark` s."""
+        self._pending.append((kind, micro_batch, label, chunk, start, end))
+
+    def end_of(self, kind: str, label: str = "") -> Mark | None:
+        """Where the last event of ``kind`` (and ``label``) ended, without reading the device; None if none yet."""
+        for k, _, lab, _, _, end in reversed(self._pending):
+            if (k, lab) == (kind, label):
+                return end
+        ended = [e.end_ns for e in self._events if (e.kind, e.label) == (kind, label)]
+        return ended[-1] if ended else None
+
+    def _ns(self, mark: Mark) -> int:
+        if isinstance(mark, int):
+            return mark
+        assert self._anchor is not None, "a CUDA mark is taken with an anchor"
+        mark.synchronize()
+        anchor, host = self._anchor
+        return host + round(anchor.elapsed_time(mark) * 1e6)
 
     @contextlib.contextmanager
     def record(self, kind: str, micro_batch: int = -1, label: str = "", chunk: int = -1) -> Iterator[None]:
@@ -86,18 +138,16 @@ class Timeline:
         if not self.enabled:
             yield
             return
-        if self._sync is not None:
-            self._sync()
-        start = time.perf_counter_ns()
+        start = self.mark()
         try:
             yield
         finally:
-            if self._sync is not None:
-                self._sync()
-            self.events.append(Event(kind, self.stage, micro_batch, start, time.perf_counter_ns(), label, chunk))
+            self.add(kind, start, self.mark(), micro_batch, label, chunk)
 
     def clear(self) -> None:
-        self.events.clear()
+        self._events.clear()
+        self._pending.clear()
+        self._anchor = None
 
 
 def range_name(stage: int, kind: str, micro_batch: int = -1, label: str = "", chunk: int = -1) -> str:
