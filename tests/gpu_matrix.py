@@ -30,6 +30,10 @@ PER_PROCESS = [
         "output",
         "overlap",
         "data_loading",
+        # interleaved stages (the ring's hop K − 1 → 0 on its own link groups) and long skips (their own groups)
+        "interleaved_fit",
+        "interleaved_eval",
+        "skips_fit",
         # sharded and tensor-parallel stages (FSDP2 and DTensor over NCCL): exact, counted, checkpointed
         "fsdp_fit",
         "fsdp_checkpoint",
