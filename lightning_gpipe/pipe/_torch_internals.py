@@ -36,10 +36,10 @@ why no public API does it:
   its M forwards, re-materialized forwards and backwards have nothing to do but cost host time (1.2× a CPU step's
   forward and backward, ``benchmarks/results/fsdp``); FSDP2 has no switch for them.
 
-- ``abort_together``: ``torch.distributed.distributed_c10d._coalescing_manager``, the region torch's own
-  ``_abort_process_group`` aborts every NCCL communicator in (ncclGroupStart / ncclGroupEnd): aborted one after
-  another, one communicator's abort can wait on another's (pytorch#119797); torch's public abort takes one group or
-  all of them, the world's among them.
+- ``abort_together``: ``ProcessGroupNCCL._group_start`` / ``_group_end`` (ncclGroupStart / ncclGroupEnd), the
+  region torch's own ``_abort_process_group`` aborts every NCCL communicator in (torch 2.13 calls them directly,
+  2.14 through ``_coalescing_manager``): aborted one after another, one communicator's abort can wait on another's
+  (pytorch#119797); torch's public abort takes one group or all of them, the world's among them.
 
 Not counted, and pinned by the same test: ``Module._modules``, ``_parameters``, ``_buffers``, ``_forward_pre_hooks``
 and ``_forward_hooks``, the dicts every ``nn.Module`` method reads and writes (replacing a layer or a buffer under its
@@ -151,17 +151,25 @@ def fsdp_forward_hooks_off(module: nn.Module) -> Callable[[], None]:
 
 
 def abort_together(groups: Sequence[Any], device: torch.device) -> None:
-    """Abort the NCCL process ``groups`` (each a ``ProcessGroup``) inside one coalescing region on ``device``, as torch
-    aborts all of its groups; if that region cannot be opened, one after another (a failure path must go on)."""
-    from torch.distributed.distributed_c10d import _coalescing_manager
-
+    """Abort the NCCL process ``groups`` (each a ``ProcessGroup``) between one ncclGroupStart and ncclGroupEnd (the
+    first group's NCCL backend on ``device`` opens the region; it holds for every communicator of the thread), as
+    torch aborts all of its groups; where that cannot be had, one after another (a failure path must go on)."""
     if not groups:
         return
     try:
-        with _coalescing_manager(groups[0], device):
-            for group in groups:
-                group.abort()
-    except Exception:  # the failure being handled matters more than how its groups went down
+        backend = groups[0]._get_backend(device)
+        start, end = backend._group_start, backend._group_end
+    except (AttributeError, RuntimeError):
+        start = end = None
+    if start is None or end is None:
         for group in groups:
             with contextlib.suppress(Exception):
                 group.abort()
+        return
+    start()
+    try:
+        for group in groups:
+            with contextlib.suppress(Exception):  # the failure being handled matters more than how its groups end
+                group.abort()
+    finally:
+        end()

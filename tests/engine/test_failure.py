@@ -6,6 +6,7 @@ happened to it, so the assertions run in the test process and see all ranks at o
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_gpipe.pipe.comm.nccl_order import ENV
 from lightning_gpipe.pipe.errors import PipelineError
 from lightning_gpipe.pipe.stage import GPipeStage
 from tests.helpers.launch import run_distributed
@@ -73,6 +75,7 @@ class Case:
     output: str = "last"
     checkpoint: str = "except_last"
     slow_first: bool = False
+    nccl: bool = False  # under NCCL's ordering rules (nccl_order): the link groups, each queue in posting order
 
 
 def boom_model(case: Case) -> nn.Sequential:
@@ -127,6 +130,8 @@ def call_again(stage: GPipeStage, x: torch.Tensor) -> str:
 
 
 def failing_worker(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    if case.nccl:
+        os.environ[ENV] = "1"
     stage = GPipeStage(
         boom_model(case),
         chunks=M,
@@ -171,6 +176,16 @@ def test_backward_failure() -> None:
     # Checkpointed: the error arises in the backward of the recomputed micro-batch, the first one drained.
     results = run_case(Case("train", where="backward", checkpoint="always"))
     assert_every_rank_raised(results, f"stage 1 failed in the backward phase (micro-batch {M - 1}): ValueError: boom")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_middle_stage_failure_under_nccl_rules(where: str) -> None:
+    """K = 3 at dp = 1 on the link groups, each queue run in posting order as NCCL runs it: a failure on the middle
+    stage reaches both ends by the headers, and the data queues posted ahead of it are aborted, within the limit."""
+    results = run_case(Case("train", where=where, checkpoint="always", nccl=True))
+    micro_batch = 1 if where == "forward" else M - 1
+    assert_every_rank_raised(results, f"stage 1 failed in the {where} phase (micro-batch {micro_batch}): ValueError")
 
 
 @pytest.mark.timeout(60)

@@ -167,9 +167,36 @@ def test_fsdp_forward_hooks_off_reaches_fsdp2s_hook_handles() -> None:
 
 
 def test_abort_together_uses_the_region_torch_aborts_its_groups_in() -> None:
-    """torch aborts all its groups inside ``_coalescing_manager`` (pytorch#119797); ours run in the same region."""
+    """torch aborts all its groups between ncclGroupStart and ncclGroupEnd (pytorch#119797): 2.13 through the NCCL
+    backend's ``_group_start`` / ``_group_end``, 2.14 through ``_coalescing_manager``, which calls them."""
     from torch.distributed import distributed_c10d
 
-    assert callable(distributed_c10d._coalescing_manager) and callable(dist.ProcessGroup.abort)
+    assert callable(dist.ProcessGroup.abort) and callable(dist.ProcessGroup._get_backend)
     source = inspect.getsource(distributed_c10d._abort_process_group)
-    assert "with _coalescing_manager(pg, coalescing_device):" in source and "pg_to_abort.abort()" in source
+    assert "119797" in source and "pg_to_abort.abort()" in source
+    if dist.is_nccl_available():
+        nccl = dist.ProcessGroupNCCL
+        assert callable(nccl._group_start) and callable(nccl._group_end)
+    calls: list[str] = []
+
+    class Backend:
+        def _group_start(self) -> None:
+            calls.append("start")
+
+        def _group_end(self) -> None:
+            calls.append("end")
+
+    class Group:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def _get_backend(self, device: torch.device) -> Backend:
+            return Backend()
+
+        def abort(self) -> None:
+            calls.append(self.name)
+            if self.name == "b":
+                raise RuntimeError("already aborted")
+
+    internals.abort_together([Group("a"), Group("b"), Group("c")], torch.device("cuda", 0))
+    assert calls == ["start", "a", "b", "c", "end"]  # one region; one group's error does not stop the others
