@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._lib.machine import quiet_trainer
 from benchmarks._lib.report import (
     command_line,
     environment,
@@ -123,21 +124,7 @@ def worker(job_path: str) -> None:
             module = ImageClassifier(**IMG_MODEL, num_classes=IMG_DATA["num_classes"])
         recorder = Recorder(run["reseed"])
         strategy = GPipeStrategy(chunks=run["chunks"], pipeline_parallel_size=K, timeout=timedelta(seconds=120))
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=K,
-            strategy=strategy,
-            precision="32-true",
-            max_steps=steps,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[recorder],
-            default_root_dir=job["dir"],
-        )
+        trainer = quiet_trainer(K, strategy, steps, [recorder], job["dir"], precision="32-true")
         start = time.perf_counter()
         trainer.fit(module, datamodule=data)
         result = {"loss": recorder.loss, "batch": recorder.batch, "seconds": time.perf_counter() - start}

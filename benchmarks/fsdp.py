@@ -54,6 +54,7 @@ from benchmarks._lib.machine import (
     measure,
     paired_interval,
     paired_ratio,
+    quiet_trainer,
     stats,
     wait_quiet,
 )
@@ -178,20 +179,7 @@ def fit(mode: str, job: dict, world: int) -> dict:
         schedule="gpipe",
         data_parallel=mode,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=job["fit_steps"],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-        default_root_dir=job["dir"],
-    )
+    trainer = quiet_trainer(world, strategy, job["fit_steps"], [probe], job["dir"])
     torch.manual_seed(0)
     trainer.fit(lightning_module(sizes), loader)
     # Which stage of which replica this rank was: the rank layout depends on the mode (GPipeStrategy(layout="auto")).

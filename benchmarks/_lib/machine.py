@@ -437,3 +437,25 @@ def stats(records: list[dict], samples_per_step: int) -> dict:
         "median_own_cores": statistics.median(r["own_cores"] for r in use),
         "steps": [{**r, "ms": r["s"] * 1e3} for r in records],
     }
+
+
+def quiet_trainer(devices: int, strategy: Any, max_steps: int, callbacks: list[Any], root: str, **extra: Any) -> Any:
+    """A CPU ``Trainer`` for a timed fit: training steps only (no validation, checkpoints, logger, progress bar or
+    summary), ``extra`` passed on."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+        **extra,
+    )
