@@ -301,13 +301,14 @@ class Transport:
         NCCL would otherwise keep receives posted ahead of the failure (and the kernels waiting on them) until its
         watchdog fires; the groups are not used again (the pipeline refuses to run after a failure). They are aborted
         together, as torch aborts its own (one communicator's abort can wait on another's, pytorch#119797). The
-        world's group is left alone: aborting it would take every later collective of the process (Lightning's
-        teardown) with it. Headers (error notices among them) still go out."""
+        pipeline's group, where the links carried the tensors, and the world's are left alone: aborting them would
+        take every later collective on them (Lightning's teardown) with it. Headers (error notices among them) still
+        go out."""
         for ordered in self._ordered.values():
             ordered.abort()
         if self.stream_waits:
             data = [g for g, _ in (*self.links.values(), *self._skip_groups.values())]
-            if self.group is not dist.group.WORLD:
+            if not self.links and self.group is not dist.group.WORLD:  # with links no tensor travelled on it
                 data.append(self.group)
             abort_together(list({id(g): g for g in data}.values()), self.device)
         self._pending_sends = [s for s in self._pending_sends if not s[3]]
