@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -17,23 +15,6 @@ from lightning_gpipe.models.decoding import beam_decode, greedy_decode
 from lightning_gpipe.models.transformer import next_token_logits, transformer_nmt
 
 Batch = dict[str, Tensor]
-
-
-@contextmanager
-def full_output(backbone: nn.Module) -> Iterator[None]:
-    """Every stage gets the real output while decoding: each next token depends on the logits on every rank.
-
-    Under ``GPipeStrategy(output="placeholder")`` the backbone (then a GPipeStage) gives the other stages zeros.
-    """
-    mode = getattr(backbone, "output_mode", None)
-    if mode is None or mode == "all":
-        yield
-        return
-    backbone.output_mode = "all"
-    try:
-        yield
-    finally:
-        backbone.output_mode = mode
 
 
 class Translator(pl.LightningModule):
@@ -157,7 +138,7 @@ class Translator(pl.LightningModule):
         hp = self.hparams
         assert self.backbone is not None
         max_new = min(src.shape[1] + hp.max_new_tokens, hp.max_len)
-        with torch.no_grad(), full_output(self.backbone), next_token_logits(self.backbone):
+        with torch.no_grad(), next_token_logits(self.backbone):
             if hp.decoding == "beam":
                 return beam_decode(
                     self.backbone, src, hp.bos_id, hp.eos_id, max_new, hp.pad_id, hp.beam_size, hp.length_penalty

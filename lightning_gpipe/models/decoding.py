@@ -2,13 +2,19 @@
 
 Neither keeps a KV cache: ``model`` is re-run on the whole prefix each step, because it may be a pipelined forward that
 runs on several processes, each of which must make the same calls with the same shapes. So the number of calls and the
-shape of each depend only on the source and on the model's outputs, which every process sees alike.
+shape of each depend only on the source and on what each step chose, which every process sees alike. On a pipeline
+(a model with ``output_head``, as ``GPipeStage``) the choice's inputs are computed on the last stage and only they
+travel to the others: the next ids for greedy, each beam's best ids and their log-probabilities for beam search, not
+the logits over the vocabulary.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,6 +22,32 @@ from torch import Tensor
 __all__ = ["beam_decode", "greedy_decode"]
 
 Model = Callable[[tuple[Tensor, Tensor]], Tensor]
+
+
+@contextmanager
+def _stepping(model: Model, head: Callable[[Tensor], Any]) -> Iterator[Callable[[tuple[Tensor, Tensor]], Any]]:
+    """``head(model(x))`` as one call; on a pipeline the last stage runs ``head`` and shares only its result."""
+    output_head = getattr(model, "output_head", None)
+    if output_head is None:
+        yield lambda x: head(model(x))
+        return
+    with output_head(head):
+        yield model
+
+
+def _greedy_head(logits: Tensor) -> Tensor:
+    """The next id of each row: the arg max of its last position's logits."""
+    return logits[:, -1].argmax(dim=-1)
+
+
+def _beam_head(logits: Tensor, beam_size: int) -> tuple[Tensor, Tensor]:
+    """Each row's ``beam_size`` best next ids by the raw logits and their log-probabilities.
+
+    Ties go to the lowest id, as argmax breaks them: log_softmax is monotonic but its rounding can tie distinct
+    logits, and ``beam_size=1`` must pick what greedy picks."""
+    logits = logits[:, -1]
+    tok = logits.sort(dim=-1, descending=True, stable=True).indices[:, :beam_size]
+    return tok, logits.float().log_softmax(dim=-1).gather(1, tok)
 
 
 def greedy_decode(model: Model, src_ids: Tensor, bos_id: int, eos_id: int, max_len: int, pad_id: int = 0) -> Tensor:
@@ -30,10 +62,9 @@ def greedy_decode(model: Model, src_ids: Tensor, bos_id: int, eos_id: int, max_l
     N = src_ids.shape[0]
     prefix = torch.full((N, 1), bos_id, dtype=torch.long, device=src_ids.device)
     done = torch.zeros(N, dtype=torch.bool, device=src_ids.device)
-    with torch.no_grad():
+    with torch.no_grad(), _stepping(model, _greedy_head) as step:
         for _ in range(max_len):
-            logits = model((src_ids, prefix))
-            nxt = logits[:, -1].argmax(dim=-1)
+            nxt = step((src_ids, prefix))
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             prefix = torch.cat([prefix, nxt[:, None]], dim=1)
             done |= nxt == eos_id
@@ -81,13 +112,9 @@ def beam_decode(
     base = torch.arange(N, device=device)[:, None] * B
     # A live hypothesis's log-probability only falls, so its key can at most reach score / the largest lp ahead.
     lp_end = _length_penalty(torch.tensor(max_len, device=device), length_penalty)
-    with torch.no_grad():
+    with torch.no_grad(), _stepping(model, partial(_beam_head, beam_size=B)) as candidates:
         for _ in range(max_len):
-            logits = model((src, prefix))[:, -1]
-            # Each beam's B best tokens by the raw logits, ties to the lowest id as argmax breaks them: log_softmax
-            # is monotonic but its rounding can tie distinct logits, and beam_size=1 must pick what greedy picks.
-            tok = logits.sort(dim=-1, descending=True, stable=True).indices[:, :B]
-            logp = logits.float().log_softmax(dim=-1).gather(1, tok)
+            tok, logp = candidates((src, prefix))
             tok, logp = tok.view(N, B, B), logp.view(N, B, B)
             # A finished hypothesis offers one candidate, itself plus a pad at no cost, and keeps its length.
             fin = done[..., None]

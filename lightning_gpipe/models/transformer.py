@@ -237,8 +237,8 @@ class DecoderNorm(nn.LayerNorm):
 @contextmanager
 def next_token_logits(backbone: nn.Module) -> Iterator[None]:
     """The backbone returns the logits of the last position only, ``[N, 1, vocab]``: all that decoding a next token
-    needs. Pipelined, that is the output the last stage sends to the others at every token (not ``[N, t, vocab]``);
-    the projection computes one position, not t. Call it on every rank (a rank holding no DecoderNorm is unaffected).
+    needs, so the projection computes one position, not t (pipelined, ``decoding`` then sends the other stages only
+    the chosen ids). Call it on every rank (a rank holding no DecoderNorm is unaffected).
     """
     norms = [m for m in backbone.modules() if isinstance(m, DecoderNorm)]
     for norm in norms:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -70,8 +71,9 @@ class GPipeStage(nn.Module):
         deferred_batch_norm: defer the running statistics of every BatchNorm layer, in place (subclasses keep their
             forward; see :func:`~lightning_gpipe.pipe.state.batchnorm.convert_deferred_batch_norm`).
         output: ``"last"`` returns the output on the last stage only; ``"all"`` on every stage; ``"placeholder"``
-            gives the other stages zeros of the same structure, shapes and dtypes (no tensor data crosses).
-            Settable later as :attr:`output_mode`.
+            gives the other stages zeros of the same structure, shapes and dtypes (no tensor data crosses);
+            ``"first"`` gives stage 0 the output and the others such zeros (where predictions are kept). Settable
+            later as :attr:`output_mode`; :meth:`output_head` shares a function of it instead.
         device: where received tensors go (default: the current CUDA device with NCCL, else the CPU).
         timeout: seconds to wait for a peer before raising :class:`PipelineTimeout`; the timeout of the groups the
             stage makes.
@@ -122,6 +124,7 @@ class GPipeStage(nn.Module):
         self._chunks = chunks
         self._batch_dim = batch_dim
         self._output_mode = output
+        self._head: Callable[[Any], Any] | None = None  # output_head's
         checkpoint = one_of(checkpoint, CHECKPOINT_MODES, "checkpoint")
         if device is None:
             backend = dist.get_backend(groups[0]) if groups else "gloo"
@@ -228,6 +231,19 @@ class GPipeStage(nn.Module):
     def output_mode(self, mode: OutputMode) -> None:
         self._output_mode = one_of(mode, OUTPUT_MODES, "output_mode")
 
+    @contextmanager
+    def output_head(self, head: Callable[[Any], Any]) -> Iterator[None]:
+        """Within it, a forward-only call returns ``head(output)`` on every stage: the last stage runs ``head`` and
+        sends only what it returns (a decoder's next tokens, not the logits over the vocabulary). Enter it on every
+        stage alike."""
+        if not callable(head):
+            raise TypeError(f"output_head(head): head must be callable, got {type(head).__name__}")
+        self._head, before = head, self._head
+        try:
+            yield
+        finally:
+            self._head = before
+
     @property
     def chunks(self) -> int:
         return self._chunks
@@ -323,11 +339,16 @@ class GPipeStage(nn.Module):
                     "each call's forward phase must be drained by backward() before the next call (batch several "
                     "inputs into one call); reset() drops a forward phase whose backward will not run"
                 )
+            if self._head is not None:
+                raise RuntimeError(
+                    "the pipelined module was called with grad inside output_head(): a head applies to forward-only "
+                    "calls (wrap the call in torch.no_grad()), as its output has no gradient path back to the stages"
+                )
             self._steps, output = forward_phase(self._executors, input, self._chunks, self._output_mode)
             return output
         self._forward_only_calls += 1
         try:
-            return evaluate(self._executors, input, self._chunks, self._output_mode)
+            return evaluate(self._executors, input, self._chunks, self._output_mode, self._head)
         except Exception:
             if self._failures.broken is not None:
                 self._steps = None  # a failed pipeline drains no forward phase

@@ -201,8 +201,8 @@ for _name in (
 
 
 def mute_prediction_output(trainer: pl.Trainer) -> list[BasePredictionWriter]:
-    """On a stage other than the first: the predictions are stage 0's again, and would be returned and written
-    twice. Returns the writers muted, for :func:`unmute`."""
+    """On a stage other than the first: its predictions were made from zeros of the output's shape (only stage 0
+    gets the real output), and must be neither returned nor written. Returns the writers muted, for :func:`unmute`."""
     trainer.predict_loop.return_predictions = False
     muted = []
     for writer in trainer.callbacks:  # type: ignore[attr-defined]  # set by its callback connector, not declared

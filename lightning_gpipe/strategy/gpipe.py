@@ -90,6 +90,7 @@ class GPipeStrategy(ParallelStrategy):
             mini-batch, as on one device.
         output: with the loss outside the pipeline, ``"all"`` gives every stage the backbone's output;
             ``"placeholder"`` gives the other stages zeros of its shape and copies logs and metrics from the last.
+            Predicting, only stage 0 gets it (the others zeros), as only stage 0 returns and writes predictions.
         save_distributed_checkpoint: save a torch.distributed.checkpoint folder (each rank its shard); ``False``
             writes one file with the plain module's keys, which ``load_from_checkpoint`` reads into a plain module
             (a folder consolidates into one with Lightning's tool). Either resumes in any layout.
@@ -338,9 +339,9 @@ class GPipeStrategy(ParallelStrategy):
         """The stage's output mode for this run; the module converted by the precision plugin and moved, its ties
         kept; then the pipeline's collectives (copies, buckets, metrics, clipping and loss scaling) set up."""
         assert self.model is not None
-        # Predictions need the real output (see on_predict_start for where they are kept).
-        loss_only = self.output == "placeholder" and trainer.state.fn != TrainerFn.PREDICTING
-        self.stage.output_mode = "placeholder" if loss_only else "all"
+        # Predictions are kept on stage 0 (see on_predict_start): only it gets the real output.
+        predicting = trainer.state.fn == TrainerFn.PREDICTING
+        self.stage.output_mode = "first" if predicting else self.output
         with keeping_ties(self.model):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
@@ -527,7 +528,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        # The other stages computed the same predictions, and would otherwise return and write them again.
+        # The other stages predicted from zeros (output mode "first"): nothing of theirs is returned or written.
         self._muted_writers = [] if self.stage.is_first else mute_prediction_output(self._trainer)
 
     @override

@@ -133,8 +133,11 @@ def backward_phase(
     wait_sends(first)
 
 
-def evaluate(executors: Sequence[Executor], input: Any, M: int, output_mode: OutputMode) -> Any:
-    """A forward-only pipeline (no grad) through this rank's stages in order: nothing is kept for a backward phase."""
+def evaluate(
+    executors: Sequence[Executor], input: Any, M: int, output_mode: OutputMode, head: Callable[[Any], Any] | None = None
+) -> Any:
+    """A forward-only pipeline (no grad) through this rank's stages in order: nothing is kept for a backward phase.
+    With ``head``, the last stage shares ``head(output)`` with every stage instead (``GPipeStage.output_head``)."""
     first = executors[0]
     seed = first.seeds.draw()
     batch_dim = first.batch_dim
@@ -166,6 +169,9 @@ def evaluate(executors: Sequence[Executor], input: Any, M: int, output_mode: Out
             commit_deferred_batch_norm(s.layers)
         where[:] = None, None
         output = join(outs, batch_dim, sizes) if executors[-1].is_last else None
+        if head is not None:
+            output_mode = "all"
+            output = head(output) if output is not None else None
         output = share_output(output, output_mode, first.links, first.ranks, first.device)
         settle(first, where, status=output_mode == "last")
     wait_sends(first)

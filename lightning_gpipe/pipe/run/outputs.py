@@ -33,17 +33,18 @@ def join_outputs(step: Step, batch_dim: int) -> Any:
 
 def share_output(output: Any, mode: OutputMode, links: Links | None, num_stages: int, device: torch.device) -> Any:
     """``mode="all"``: every stage gets the last stage's output, so all can compute the same loss.
-    ``"placeholder"``: the others get zeros of its structure, shapes and dtypes (a header, no tensor data)."""
+    ``"placeholder"``: the others get zeros of its structure, shapes and dtypes (a header, no tensor data);
+    ``"first"``: stage 0 gets the output, the others such zeros (predictions, kept on stage 0)."""
     if mode == "last" or num_stages == 1:
         return output
     assert links is not None, "a pipeline of several stages has links"
     if links.index == num_stages - 1:
-        if mode == "all":
-            sent, marks = output, [t.requires_grad for t in tensors(output)]
-        else:
-            sent, marks = tree_map(Placeholder.of, output), None
+        marks, hollow = [t.requires_grad for t in tensors(output)], tree_map(Placeholder.of, output)
         for dst in range(num_stages - 1):
-            links.send(dst, sent, -1, requires_grad=marks, tag=OUTPUT_TAG)
+            if mode == "all" or (mode == "first" and dst == 0):
+                links.send(dst, output, -1, requires_grad=marks, tag=OUTPUT_TAG)
+            else:
+                links.send(dst, hollow, -1, tag=OUTPUT_TAG)
         return output
     shared = links.receive_output(num_stages - 1)
     return tree_map(lambda leaf: leaf.zeros(device) if isinstance(leaf, Placeholder) else leaf, shared)

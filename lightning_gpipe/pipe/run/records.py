@@ -51,5 +51,5 @@ class Placeholder:
         return torch.zeros((), dtype=self.dtype, device=device).expand(self.shape)
 
 
-OutputMode = Literal["last", "all", "placeholder"]
+OutputMode = Literal["last", "all", "placeholder", "first"]
 OUTPUT_MODES: tuple[OutputMode, ...] = get_args(OutputMode)
