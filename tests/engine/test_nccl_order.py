@@ -4,8 +4,8 @@ Under ``GPIPE_NCCL_SEMANTICS=1`` each group's transfers run one at a time in pos
 when its receive runs, as large NCCL transfers do. The negative tests show the check stops the traffic that
 would hang on GPUs (activations and gradients on one group); the matrix runs every path of the engine -- the
 fill/drain phases with each output mode, the loss inside under every schedule, forward-only evaluation -- at
-K = 2, 3, 4 and at pp = 2 × dp = 2, and checks the gradients against the plain model so a run that "passed" also
-computed the right thing.
+K = 2, 3, 4 and at pp = 2 × dp = 2, traced and not, and checks the gradients against the plain model so a run that
+"passed" also computed the right thing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.comm.groups import link_groups
+from lightning_gpipe.pipe.comm.groups import data_timeout, link_groups
 from lightning_gpipe.pipe.comm.nccl_order import ENV, OrderedP2P, P2POrderError
 from lightning_gpipe.pipe.comm.transport import Transport
 from lightning_gpipe.pipe.schedule.registry import SCHEDULES as REGISTRY
@@ -131,11 +131,12 @@ def _groups_used(rank: int, world_size: int, dp: int) -> dict[str, Any]:
 @pytest.mark.parametrize(("world_size", "dp"), [(3, 1), (4, 2)])
 def test_tensors_travel_on_a_group_per_link_never_on_the_world_or_pipeline_group(world_size: int, dp: int) -> None:
     """At dp = 1 the pipeline's group is the world's, whose queue every collective shares and which a failure does
-    not abort: each link and direction has a two-rank group of its own, with the stage's timeout."""
+    not abort: each link and direction has a two-rank group of its own, with a timeout past the stage's (the host's
+    waits raise first, and the failure path aborts the group before NCCL's watchdog would end the process)."""
     for rank, r in enumerate(run_distributed(_groups_used, world_size, dp, timeout=90)):
         assert r["sizes"] and set(r["sizes"]) == {2}, (rank, r)
         assert not r["world"] and not r["pipeline"], (rank, r)
-        assert r["timeouts"] == {37.0}, (rank, r)
+        assert r["timeouts"] == {data_timeout(timedelta(seconds=37)).total_seconds()} == {67.0}, (rank, r)
         # K = 3, the queues used: rank 0 to and from rank 1 and the output from rank 2; rank 1 to and from each
         # neighbour (the output from rank 2 shares that link); rank 2 to and from rank 1 and the output to rank 0.
         if world_size // dp == 3:
@@ -215,10 +216,18 @@ def _matrix(rank: int, world_size: int, K: int) -> list[str]:
     x, y = batch(seed=replica, n=11 if K < 4 else 5)  # different data per replica; M = 3 uneven, or M < K = 4
     done = []
     for checkpoint in ("except_last", "always"):
+        traced = checkpoint == "always"  # a traced step runs the untraced step's schedule (no wait for the device)
         stage = GPipeStage(
-            copy.deepcopy(backbone()), chunks=3, checkpoint=checkpoint, group=pipe if dp > 1 else None, timeout=30
+            copy.deepcopy(backbone()),
+            chunks=3,
+            checkpoint=checkpoint,
+            group=pipe if dp > 1 else None,
+            timeout=30,
+            timeline=traced,
         )
         done += _paths(stage, x, y, checkpoint)
+        recorded = {e.kind for e in stage.timeline.events}
+        assert not traced or {"forward", "backward", "send", "recv-wait"} <= recorded, recorded
     return done
 
 

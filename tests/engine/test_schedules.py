@@ -8,7 +8,7 @@ import re
 import pytest
 
 import lightning_gpipe.pipe.schedule.registry as schedules_module
-from lightning_gpipe.pipe.schedule.registry import SCHEDULES, Action, lookup
+from lightning_gpipe.pipe.schedule.registry import SCHEDULES, Action, fuse_halves, inputs_ahead, lookup
 from lightning_gpipe.pipe.schedule.simulator import Costs, ScheduleError, draw, simulate
 
 
@@ -108,10 +108,10 @@ def test_one_communicator_for_both_directions_deadlocks_under_nccl_rules_only() 
     """K = 2 with the loss inside on one communicator: rank 0 sends a0 and a1 before it receives g0, rank 1 sends
     g0 before it receives a1; with rendezvous sends run in posting order neither moves, buffered sends pass."""
     actions = SCHEDULES["gpipe"].actions(2, 2, 1)
-    simulate(actions, 2, layout="single", nccl=False)
+    simulate(actions, 2, layout="single", nccl=False, ahead=False)
     simulate(actions, 2)  # the runtime's layout: activations and gradients on two communicators
     with pytest.raises(ScheduleError) as caught:
-        simulate(actions, 2, layout="single")
+        simulate(actions, 2, layout="single", ahead=False)  # the runtime that hung posted no input ahead
     text = str(caught.value)
     assert text.startswith("the schedule deadlocks under NCCL's rules (single communicator layout): ")
     assert "rank 0 is in B0 (action 3 of 4, stage 0) and waits for micro-batch 0's gradient from stage 1" in text
@@ -126,7 +126,7 @@ def test_interleaving_deadlocks_with_a_communicator_per_direction_of_flow() -> N
     runtime's layout, by rank order, puts that hop on the other communicator and runs."""
     actions = SCHEDULES["interleaved-1f1b"].actions(2, 2, 2)
     simulate(actions, 2, 2)
-    with pytest.raises(ScheduleError, match=r"under NCCL's rules \(flow communicator layout\): rank 0 is in F0b"):
+    with pytest.raises(ScheduleError, match=r"under NCCL.s rules \(flow communicator layout\): rank 0 is in F1b"):
         simulate(actions, 2, 2, layout="flow")
 
 
@@ -230,7 +230,7 @@ def test_a_communicator_per_link_runs_gpipe_as_fast_as_buffered_sends(K: int) ->
     """The runtime's layout (a communicator per directed pair of ranks) against the one before it (one per direction
     of rank order): with transfers that cost, a middle rank's receive from below no longer queues behind its own send
     above. gpipe with the loss inside then runs as with buffered sends (no queue at all), where it took up to 1.5×;
-    1f1b, which alternates, never queued."""
+    1f1b, which alternates, never queued (each input posted when its F starts, as then)."""
     costs = Costs(F=1, B=2, transfer=1.0)
     for M in (K, 2 * K, 4 * K):
         gpipe, one_f_one_b = SCHEDULES["gpipe"].actions(K, M, 1), SCHEDULES["1f1b"].actions(K, M, 1)
@@ -238,6 +238,42 @@ def test_a_communicator_per_link_runs_gpipe_as_fast_as_buffered_sends(K: int) ->
         assert simulate(gpipe, K, 1, costs).makespan <= 1.05 * ideal
         assert simulate(gpipe, K, 1, costs, layout="rank-order").makespan >= 1.15 * ideal
         assert (
-            simulate(one_f_one_b, K, 1, costs).makespan
-            == simulate(one_f_one_b, K, 1, costs, layout="rank-order").makespan
+            simulate(one_f_one_b, K, 1, costs, ahead=False).makespan
+            == simulate(one_f_one_b, K, 1, costs, layout="rank-order", ahead=False).makespan
         )
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_inputs_received_ahead_never_slow_a_schedule_and_hide_transfers(name: str) -> None:
+    """An input whose receive is posted while the rank computes (``registry.inputs_ahead``) moves its bytes then: on
+    the runtime's layout no schedule gets slower, and gpipe with the loss inside gains the most (each middle rank
+    receives its inputs back to back), about 1.09× at one transfer per half a forward."""
+    costs = Costs(F=1, B=2, I=1, W=1, transfer=0.5)
+    for K in (2, 3, 4, 8):
+        for M in (K, 2 * K, 4 * K):
+            v = 2 if name == "interleaved-1f1b" else 1
+            if name == "interleaved-1f1b" and M % K:
+                continue
+            actions = [fuse_halves(ops) for ops in SCHEDULES[name].actions(K, M, v)]
+            ahead, posted_late = (simulate(actions, K, v, costs, ahead=a).makespan for a in (True, False))
+            assert ahead <= posted_late + 1e-9, (K, M, ahead, posted_late)
+            if name == "gpipe" and M >= K:
+                assert posted_late >= 1.05 * ahead, (K, M, ahead, posted_late)
+
+
+@pytest.mark.parametrize(("name", "K", "v"), [("gpipe", 3, 1), ("1f1b", 3, 1), ("interleaved-1f1b", 2, 2)])
+def test_an_input_received_ahead_is_the_next_receive_from_its_rank(name: str, K: int, v: int) -> None:
+    """At K = 2 interleaved, activations and gradients both come from the other rank: an input is received ahead
+    only where no gradient from that rank comes between (gloo and NCCL pair a peer's messages in order)."""
+    for r, ops in enumerate(SCHEDULES[name].actions(K, 2 * K, v)):
+        ahead = inputs_ahead(ops, K, r, v)
+        for before, later in ahead.items():
+            assert ops[before].kind == ops[later].kind == "F"
+            between = ops[before + 1 : later]
+            gradients = [a for a in between if a.kind in ("B", "I") and (a.c, r) != (v - 1, K - 1)]
+            assert not (gradients and (r + 1) % K == (r - 1) % K), (r, before, later, between)
+            assert not [a for a in between if a.kind == "F" and (a.c, r) != (0, 0)], (r, before, later)
+        if name != "interleaved-1f1b":  # every input after the rank's first, when nothing else comes from below
+            assert len(ahead) == (2 * K - 1 if r else 0), (r, ahead)
+    K2 = [inputs_ahead(ops, 2, r, 2) for r, ops in enumerate(SCHEDULES["interleaved-1f1b"].actions(2, 4, 2))]
+    assert any(K2) and sum(map(len, K2)) < 2 * (2 * 4 - 1)  # some, not all: gradients from the same rank between

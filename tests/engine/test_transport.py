@@ -267,3 +267,99 @@ def test_a_send_that_raises_on_its_completion_check_does_not_stop_the_failure_pa
     transport._pending_sends = [(_FailedWork(), buf, 1, True)]
     transport.retire_sends()
     assert transport._pending_sends == []
+
+
+def ahead_worker(rank: int, world_size: int) -> list[str]:
+    """Receives posted ahead: a poll posts the tensors once the header came, never reads an overflowing header
+    (its second part is the next message on the tag), and an error header raises where the receive is taken."""
+    tr = make_transport()
+    big = {"names": [f"name {i}" * 4 for i in range(60)], "t": torch.arange(6.0)}  # a header past HEADER_BYTES
+    if rank == SENDER:
+        tr.send(RECEIVER, torch.arange(3.0), m=0)
+        tr.send(RECEIVER, big, m=1)
+        tr.send(RECEIVER, torch.ones(2), m=2)
+        tr.send_error(RECEIVER, PipelineError("stage 0 broke", stage=0, phase="forward"))
+        tr.wait_sends()
+        dist.barrier()
+        return []
+    seen = []
+    for m in range(4):
+        tr.post_ahead(SENDER, f"message {m}")
+        pending = tr._ahead[SENDER, 0][0]
+        deadline = time.monotonic() + 20
+        while not pending._arriving() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tr.poll()
+        seen.append(f"{m}: {len(pending.works)} posted by the poll")
+        if m == 3:
+            with pytest.raises(PipelineError, match="stage 0 broke"):
+                tr.recv(SENDER, "an error")
+            continue
+        got, fields = tr.recv(SENDER, f"message {m}")
+        assert fields == {"m": m}, fields
+        assert_same(got, big if m == 1 else torch.arange(3.0) if m == 0 else torch.ones(2))
+    assert not tr._ahead[SENDER, 0]
+    dist.barrier()
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_receives_posted_ahead_post_their_tensors_at_a_poll() -> None:
+    _, seen = run_distributed(ahead_worker, 2, timeout=45)
+    assert seen == [
+        "0: 1 posted by the poll",
+        "1: 0 posted by the poll",  # the overflow part is read where the receive is taken
+        "2: 1 posted by the poll",
+        "3: 0 posted by the poll",  # an error notice: nothing to post
+    ]
+
+
+def inputs_ahead_worker(rank: int, world_size: int, path: str) -> list[int]:
+    """Per step of stage 1, how many of its inputs had their tensors posted by a poll, before it waited for them."""
+    from torch import nn
+
+    from lightning_gpipe.pipe import GPipeStage
+    from lightning_gpipe.pipe.comm import transport as transport_module
+
+    polled: list[int] = []
+    original = transport_module.PendingRecv.poll
+
+    def poll(self: transport_module.PendingRecv) -> None:
+        before = self._read
+        original(self)
+        if before is None and self._read is not None:
+            polled.append(self.tag)
+
+    transport_module.PendingRecv.poll = poll  # type: ignore[method-assign]
+
+    class Slow(nn.Module):
+        """Stage 1 computes slowly: the next input's header comes while it computes."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.1)
+            return x
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Tanh(), Slow(), nn.Linear(4, 4)]
+    stage = GPipeStage(nn.Sequential(*layers), chunks=4, balance=[2, 2], timeout=30)
+    x = torch.randn(8, 4)
+    if path == "eval":
+        with torch.no_grad():
+            stage(x)
+    elif path == "fill-drain":
+        out = stage(x)
+        if stage.is_last:
+            out.sum().backward()
+        stage.backward()
+    else:
+        stage.forward_backward(x, lambda out, m: out.sum(), schedule=path)
+    return [len(polled)]
+
+
+@pytest.mark.parametrize("path", ["eval", "fill-drain", "gpipe", "1f1b"])
+@pytest.mark.timeout(60)
+def test_stage_inputs_are_received_ahead(path: str) -> None:
+    """M = 4: inputs 1, 2 and 3 are posted with the receive before them, and their tensors' receives at a poll
+    around the compute before them, not where the stage waits for them (under 1f1b too: no gradient from stage 0
+    comes between)."""
+    assert run_distributed(inputs_ahead_worker, 2, path, timeout=45) == [[0], [3]]

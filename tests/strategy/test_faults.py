@@ -75,3 +75,46 @@ def test_killed_rank_then_resume_from_last(tmp_path: Path) -> None:
     assert (tmp_path / "last.ckpt").exists()
     for r in run_distributed(resume_worker, 2, str(tmp_path), timeout=150, lightning=True):
         assert r["steps"] == 16 and r["err"] <= 1e-6, r
+
+
+def killed_under_nccl_rules_worker(rank: int, world_size: int, pp: int) -> dict[str, object]:
+    """The last stage of the last replica dies mid-step, after its forward phase, with the transport's tensors on
+    the link groups and each group's transfers run in posting order (NCCL's rules, ``nccl_order``)."""
+    import lightning.pytorch as pl
+
+    from lightning_gpipe.pipe.comm.nccl_order import ENV
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    os.environ[ENV] = "1"
+    warnings.simplefilter("ignore")
+
+    class KillLastRank(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            if rank == world_size - 1 and trainer.fit_loop.epoch_loop.batch_idx == 2:
+                os._exit(1)
+            self.last = time.monotonic()
+
+    killer = KillLastRank()
+    strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=pp, timeout=timedelta(seconds=TIMEOUT_S))
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_epochs=1, callbacks=[killer])
+    try:
+        trainer.fit(lightning_module(), DataLoader(dataset(), batch_size=BATCH))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - killer.last}
+    return {"error": None}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("world_size", "pp"), [(2, 2), (4, 2)])
+def test_a_killed_rank_ends_every_other_under_nccl_rules_within_the_timeout(world_size: int, pp: int) -> None:
+    """At dp = 1 and at pp 2 × dp 2: every surviving rank raises (its pipeline's peer lost, or its data-parallel
+    peer gone) within the strategy's timeout + 5 s of the kill, not at NCCL's or torch's 10-minute default."""
+    results = run_distributed(
+        killed_under_nccl_rules_worker, world_size, pp, timeout=150, lightning=True, allow_missing=True
+    )
+    assert results[-1] is None  # the killed process reported nothing
+    for rank, r in enumerate(results[:-1]):
+        assert r is not None and r["error"] is not None, (rank, r)
+        assert r["after_s"] < TIMEOUT_S + 5, (rank, r)
+    # The killed rank's pipeline peer names what it lost.
+    assert f"stage {pp - 1}" in results[-2]["error"], results[-2]

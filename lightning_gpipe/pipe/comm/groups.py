@@ -42,6 +42,14 @@ def runs_in_order(group: dist.ProcessGroup) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower() or nccl_order.enabled()
 
 
+def data_timeout(timeout: timedelta) -> timedelta:
+    """The timeout of the groups that carry tensors: longer than the host's waits (``timeout``). On NCCL the host
+    never waits for tensor data, only on gloo headers and status checks; where a peer hangs, such a wait raises
+    PipelineTimeout and the failure path aborts these groups before NCCL's watchdog, which counts from the earlier
+    posting of a transfer, would end the process with SIGABRT over it."""
+    return timeout + max(timedelta(seconds=30), timeout / 2)
+
+
 def links_of(K: int) -> list[tuple[int, int]]:
     """The directed pairs of a pipeline's K ranks that carry tensors: each rank to both its neighbours on the ring
     (activations and gradients; an interleaved pipeline's hop from rank K − 1 to rank 0 and back), and the last
@@ -59,7 +67,8 @@ def link_groups(group: dist.ProcessGroup, rank: int, K: int, timeout: timedelta)
     """Where transfers run in posting order (see ``runs_in_order``): a group over the two ranks of each link of
     ``links_of`` for its tensors, one per direction, so that no stage's receive waits behind its own send on one
     queue and no tensor travels on the pipeline's group (the world's at dp = 1, which every collective shares),
-    each with the pipeline's ``timeout``. Elsewhere (gloo) none: tags keep the pipeline group's messages apart.
+    each with :func:`data_timeout` of the pipeline's ``timeout``. Elsewhere (gloo) none: tags keep the pipeline
+    group's messages apart.
 
     Made by every rank of the world in one order (see :func:`skip_groups`)."""
     if not runs_in_order(group) or K < 2:
@@ -68,7 +77,7 @@ def link_groups(group: dist.ProcessGroup, rank: int, K: int, timeout: timedelta)
     out: LinkGroups = {}
     for pipeline in _pipelines(ranks):
         for src, dst in links_of(K):
-            made = dist.new_group([pipeline[src], pipeline[dst]], backend=backend, timeout=timeout)
+            made = dist.new_group([pipeline[src], pipeline[dst]], backend=backend, timeout=data_timeout(timeout))
             if pipeline == ranks and rank in (src, dst):
                 assert isinstance(made, dist.ProcessGroup), "a member"
                 out[src, dst] = (made, dist.get_group_rank(made, pipeline[dst if rank == src else src]))
@@ -104,7 +113,7 @@ def skip_groups(
             if a == b:  # two virtual stages of one rank: handed over in the process
                 continue
             for tag in skip_tags(i):
-                made = dist.new_group([pipeline[a], pipeline[b]], backend=backend, timeout=timeout)
+                made = dist.new_group([pipeline[a], pipeline[b]], backend=backend, timeout=data_timeout(timeout))
                 if pipeline == ranks and rank in (a, b):
                     assert isinstance(made, dist.ProcessGroup), "a member"
                     out[tag + 1] = (made, dist.get_group_rank(made, pipeline[b if rank == a else a]))

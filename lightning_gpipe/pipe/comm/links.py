@@ -55,6 +55,17 @@ class Links:
             )
         return x, fields
 
+    def receive_ahead(self, m: int, src: int | None = None) -> None:
+        """Post micro-batch m's input receive from rank ``src`` (default: the previous) now, for :meth:`receive` to
+        take: its tensors' receives are posted as soon as its header has come (:meth:`poll`), so that its bytes move
+        while this stage computes. Only where it is the next receive from that rank (the runners know)."""
+        self.transport.post_ahead(self.index - 1 if src is None else src, f"micro-batch {m}'s input")
+
+    def poll(self) -> None:
+        """Post the tensors of the receives posted ahead whose headers came (before a compute is queued: on NCCL
+        a receive posted after it waits for it on the stream)."""
+        self.transport.poll()
+
     def receive_skips(self, m: int, skips: StageSkips, chunk: int = -1) -> dict[int, list[Any]]:
         """Micro-batch m's long skips from earlier stages, by stage (see ``skips``); called after its input came,
         which brings a failure upstream first."""

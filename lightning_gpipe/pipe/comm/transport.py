@@ -15,7 +15,9 @@ the world's, shared with every collective. Every queue then runs in one order th
 Sends never block: they are queued and retired once the peer has received them. On NCCL a wait for tensor data
 makes the CUDA stream wait, not the host (the header, on gloo, already told the host what comes and from whom, and
 carries timeouts and errors). A header may instead carry an error, which is how a failing stage wakes up peers
-that wait for it.
+that wait for it. A receive can be posted ahead of the call that takes it (``post_ahead``): its tensors' receives
+go out at the first ``poll`` after its header came, before the stage queues its next compute, because on NCCL a
+receive posted after a compute waits for that compute on the stream.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import pickle
 import struct
 import time
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -87,10 +89,13 @@ class PendingRecv:
 
     def __init__(self, transport: Transport, src: int, tag: int, expect: list[TensorMeta] | None, what: str) -> None:
         self.transport, self.src, self.tag, self.expect, self.what = transport, src, tag, expect, what
-        self.header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        # Zeros: a length that is not 0 is a header arriving (see poll).
+        self.header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         self.header_work = transport._irecv(self.header, src, tag, header=True)
         self.tensors: list[torch.Tensor] = []
         self.works: list[Any] = []
+        self._header_in = False  # its wait returned
+        self._read: dict | None = None  # the header, once read
         if expect is not None:
             # The shapes are known (gradients of what this stage sent), so the bytes can flow before we ask for them.
             self._post_tensors(expect)
@@ -102,20 +107,34 @@ class PendingRecv:
             if t.numel():
                 self.works.append(self.transport._irecv(_wire(t), self.src, self.tag + 1, header=False))
 
-    def wait(self) -> tuple[Any, dict]:
+    def poll(self) -> None:
+        """Post the tensors' receives if the header has come, without waiting: a receive posted ahead
+        (``Transport.post_ahead``) then moves its bytes while this stage computes."""
+        if self._read is None and self.expect is None and self._arriving():
+            self._read_header(whole_only=True)
+
+    def _arriving(self) -> bool:
+        """Whether the header is here or on its way in. gloo reports a receive complete only from its ``wait()``, but
+        its transports write the bytes into the buffer as they come: a length that is not 0 says the header is
+        arriving, and the wait that follows is for the rest of one KiB at most."""
+        return bool(self.header[: _LEN.size].any()) or _ended(self.header_work)
+
+    def _read_header(self, whole_only: bool = False) -> None:
         tr = self.transport
-        tr._wait(self.header_work, f"the header of {self.what}", self.src)
+        if not self._header_in:  # never twice: a second wait on a gloo receive waits for another message
+            tr._wait(self.header_work, f"the header of {self.what}", self.src)
+            self._header_in = True
         n = _LEN.unpack(self.header[: _LEN.size].numpy().tobytes())[0]
         payload = self.header[_LEN.size : _LEN.size + n].numpy().tobytes()
         if n > HEADER_BYTES - _LEN.size:
+            if whole_only:  # its second part is the next message on the tag: read where the caller waits
+                return
             rest = torch.empty(n - (HEADER_BYTES - _LEN.size), dtype=torch.uint8)
             tr._wait(tr._irecv(rest, self.src, self.tag, header=True), f"the header of {self.what}", self.src)
             payload += rest.numpy().tobytes()
-        header = pickle.loads(payload)
+        self._read = header = pickle.loads(payload)
         if "error" in header:
-            err = PipelineError.from_wire(header["error"], received_by=tr.stage)
-            err.via = self.src
-            raise err
+            return
         metas: list[TensorMeta] = header["metas"]
         if self.expect is None:
             self._post_tensors(metas)
@@ -123,9 +142,20 @@ class PendingRecv:
             raise RuntimeError(
                 f"stage {self.src} sent {metas} for {self.what}, but stage {tr.stage} expected {self.expect}"
             )
+
+    def wait(self) -> tuple[Any, dict]:
+        tr = self.transport
+        if self._read is None:
+            self._read_header()
+        header = self._read
+        assert header is not None, "read above"
+        if "error" in header:
+            err = PipelineError.from_wire(header["error"], received_by=tr.stage)
+            err.via = self.src
+            raise err
         for work in self.works:
             tr._wait(work, self.what, self.src, data=True)
-        for t, meta in zip(self.tensors, metas):
+        for t, meta in zip(self.tensors, header["metas"]):
             if meta.requires_grad and differentiable(t):
                 t.requires_grad_()
         tensors = self.tensors
@@ -158,6 +188,8 @@ class Transport:
         self._models_nccl = nccl_order.enabled() and not self.stream_waits
         # (work, buffer, peer, whether it is tensor data): kept until the peer received it.
         self._pending_sends: list[tuple[Any, torch.Tensor, int, bool]] = []
+        # Receives posted ahead of the call that takes them, by (source, tag), in posting order (see post_ahead).
+        self._ahead: dict[tuple[int, int], deque[PendingRecv]] = defaultdict(deque)
         # Long skips' own groups by data tag (see add_skip_groups).
         self._skip_groups: SkipGroups = {}
         # Tensor bytes by peer stage, since the transport was made: what each link carried, measured.
@@ -270,7 +302,27 @@ class Transport:
     def post_recv(
         self, src: int, what: str, *, tag: int = HEADER_TAG, expect: list[TensorMeta] | None = None
     ) -> PendingRecv:
+        """The next receive from stage ``src`` on ``tag``: the one posted ahead for it, else one posted now."""
+        ahead = self._ahead.get((src, tag))
+        if ahead:
+            if expect is not None:
+                raise RuntimeError(f"a receive posted ahead from stage {src} was taken for {what}, of known shapes")
+            pending = ahead.popleft()
+            pending.what = what
+            return pending
         return PendingRecv(self, src, tag, expect, what)
+
+    def post_ahead(self, src: int, what: str, *, tag: int = HEADER_TAG) -> None:
+        """Post now the receive that the next ``post_recv(src, tag=tag)`` will take: its header at once, its tensors at
+        the first :meth:`poll` after the header came. The caller knows that no other receive from ``src`` on ``tag``
+        comes between (gloo and NCCL match a peer's messages in order)."""
+        self._ahead[src, tag].append(PendingRecv(self, src, tag, None, what))
+
+    def poll(self) -> None:
+        """Post the tensors of every receive posted ahead whose header has come; never blocks."""
+        for ahead in self._ahead.values():
+            for pending in ahead:
+                pending.poll()
 
     def recv(self, src: int, what: str, *, tag: int = HEADER_TAG) -> tuple[Any, dict]:
         return self.post_recv(src, what, tag=tag).wait()
@@ -312,6 +364,7 @@ class Transport:
                 data.append(self.group)
             abort_together(list({id(g): g for g in data}.values()), self.device)
         self._pending_sends = [s for s in self._pending_sends if not s[3]]
+        self._ahead.clear()
 
     def abandon_sends(self, grace_s: float = 2.0) -> None:
         """Forget sends no peer will receive (after a failure); the process group should not be reused.

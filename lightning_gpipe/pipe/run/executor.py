@@ -135,6 +135,16 @@ class Executor:
         """Micro-batch m's input from the previous stage, with its header's fields."""
         return self.peers().receive(m, training, self.prev_rank, self.index, self.chunk)
 
+    def receive_ahead(self, m: int) -> None:
+        """Post micro-batch m's input receive now (``Links.receive_ahead``): the runner knows it is the next receive
+        from the previous stage's rank."""
+        self.peers().receive_ahead(m, self.prev_rank)
+
+    def poll(self) -> None:
+        """Before queuing compute: the tensors of the receives posted ahead whose headers came, posted."""
+        if self.links is not None:
+            self.links.poll()
+
     def routes(self) -> StageSkips:
         assert self.skips is not None, "only a stage whose layers declare long skips sends or receives them"
         return self.skips
@@ -171,8 +181,10 @@ class Executor:
         defer = not (ckpt and self.device.type == "cpu")
         split = weights.deferring(m) if weights is not None and defer else contextlib.nullcontext()
         skips_in = self.peers().receive_skips(m, self.skips, self.chunk) if self.skips and self.skips.receives else {}
+        self.poll()
         with self.timeline.record("forward", m, chunk=self.chunk), deferred_statistics(), graph, split:
             y, skips_out = self.run_with_skips(x, mix(step.seed, m), skips_in)
+        self.poll()  # a header that came during the compute: its tensors' receives before this wait for them
         stateful.learn(before)
         check_boundary(y, n, self.batch_dim, self.producer, self.is_last)
         needs = could_require or any(t.requires_grad for t in tensors((x, skips_in)))
@@ -218,6 +230,7 @@ class Executor:
             if (expect := [meta for meta, mark in zip(metas, mb.skip_marks[dst]) if mark])
         }
         y, skips_out = mb.output, mb.skips_out
+        self.poll()
         if mb.state is not None:
             with (
                 self.timeline.record("recompute", m, chunk=c),
@@ -261,5 +274,6 @@ class Executor:
 
     def weight_micro(self, m: int, weights: WeightGrads) -> None:
         """W m: micro-batch m's deferred weight gradients into ``.grad``."""
+        self.poll()
         with self.timeline.record("backward-weight", m, chunk=self.chunk):
             weights.run(m)

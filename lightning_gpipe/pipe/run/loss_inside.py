@@ -29,7 +29,7 @@ from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_
 from lightning_gpipe.pipe.run.executor import Executor, Pairs, settle, wait_sends
 from lightning_gpipe.pipe.run.records import Step
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
-from lightning_gpipe.pipe.schedule.registry import Action, ScheduleName, fuse_halves, keeps_graph, lookup
+from lightning_gpipe.pipe.schedule.registry import Action, ScheduleName, fuse_halves, inputs_ahead, keeps_graph, lookup
 from lightning_gpipe.pipe.schedule.simulator import simulate
 from lightning_gpipe.pipe.state.batchnorm import check_replicas_run_the_same_m, commit_deferred_batch_norm
 from lightning_gpipe.pipe.state.rng import restored_streams
@@ -49,6 +49,13 @@ def rank_actions(schedule: ScheduleName, K: int, M: int, v: int = 1) -> tuple[tu
     actions = [fuse_halves(ops) for ops in lookup(schedule).actions(K, M, v)]
     simulate(actions, K, v)
     return tuple(tuple(ops) for ops in actions)
+
+
+@lru_cache(maxsize=64)
+def _inputs_ahead(schedule: ScheduleName, K: int, M: int, v: int, r: int) -> dict[int, Action]:
+    """Rank r's F whose input it receives ahead, by the position of the F after whose input it is posted."""
+    ops = rank_actions(schedule, K, M, v)[r]
+    return {pos: ops[later] for pos, later in inputs_ahead(ops, K, r, v).items()}
 
 
 def forward_backward(
@@ -105,6 +112,8 @@ def forward_backward(
                     if ops is None:  # the first header told this rank M
                         ops = rank_actions(schedule, K, M, v)[r]
                         input_grads = [[] for _ in range(M)]
+                    if (later := _inputs_ahead(schedule, K, M, v, r).get(pos)) is not None:
+                        executors[later.c].receive_ahead(later.m)
                     if m == 0:
                         check_replicas_run_the_same_m(s.layers, M, s.device)
                         if any(a.kind == "W" for a in ops):

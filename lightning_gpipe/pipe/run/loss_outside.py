@@ -74,6 +74,8 @@ def _micro_batches(
         else:
             x, got = s.receive(m, training=training)
             M = got["M"]
+            if m + 1 < M:  # the next receive from that rank: its bytes may move while this one computes
+                s.receive_ahead(m + 1)
             yield m, x, got["n"], got
         m += 1
 
@@ -155,8 +157,10 @@ def evaluate(
                 if got is not None:
                     M, seed = got["M"], got["seed"]
                 skips_in = s.peers().receive_skips(m, s.skips, s.chunk) if s.skips and s.skips.receives else {}
+                s.poll()
                 with s.timeline.record("forward", m, chunk=s.chunk):
                     y, skips_out = s.run_with_skips(x, mix(seed, m), skips_in, copy=False)
+                s.poll()
                 check_boundary(y, n, batch_dim, s.producer, s.is_last)
                 sizes.append(n)
                 fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": False, "seed": seed, "stage": s.index}

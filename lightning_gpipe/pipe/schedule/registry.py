@@ -228,3 +228,25 @@ def keeps_graph(mode: Checkpoint, actions: Sequence[Action], m: int, c: int = 0)
         return mode == "never"
     at = actions.index(Action("F", m, c))
     return at + 1 < len(actions) and actions[at + 1] in (Action("B", m, c), Action("I", m, c))
+
+
+def inputs_ahead(actions: Sequence[Action], K: int, r: int, v: int = 1) -> dict[int, int]:
+    """Rank r's inputs received ahead: from the position of each F that receives its input, the position of the F
+    whose input is the next receive from the same rank, where no output gradient from that rank comes between them
+    (both transports match a peer's messages in order, so it is posted right after the first one was received)."""
+    ahead: dict[int, int] = {}
+    latest: dict[int, int] = {}  # source rank -> the position of its latest receive
+    for pos, a in enumerate(actions):
+        if a.kind == "F" and (a.c, r) != (0, 0):
+            src = (r - 1) % K
+        elif a.kind in ("B", "I") and (a.c, r) != (v - 1, K - 1):
+            src = (r + 1) % K
+        else:
+            continue
+        if src == r:  # K = 1: a hand-off between the rank's own chunks
+            continue
+        before = latest.get(src)
+        if a.kind == "F" and before is not None and actions[before].kind == "F":
+            ahead[before] = pos
+        latest[src] = pos
+    return ahead

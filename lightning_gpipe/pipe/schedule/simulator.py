@@ -6,8 +6,12 @@ What it assumes the runtime does (``forward_backward``, ``Executor.forward_micro
   stage 0 → S − 1 and its backward back; the last stage's B (or I) begins with m's loss, so it needs no receive.
 * F(m) on stage s > 0 receives m's activation from stage s − 1 when it starts (``Links.receive``: the header on the
   gloo group, then the tensors' receives) and waits for it; it computes, then posts the send of its output to stage
-  s + 1 (none from the last stage). A send never blocks the rank, only its communicator's queue; posting it takes
-  the rank's host ``send_host`` (pickling the header, one isend per tensor), after which the message leaves.
+  s + 1 (none from the last stage). Where the next receive from that rank is an F's input too
+  (``registry.inputs_ahead``), its receive is posted as the F computes (``ahead=True``, as the runtime does:
+  ``Links.receive_ahead``, its tensors posted at the first poll after their header came, taken here as the moment
+  the send is posted), so that input's bytes move while the rank computes. A send never blocks the rank, only its
+  communicator's queue; posting it takes the rank's host ``send_host`` (pickling the header, one isend per
+  tensor), after which the message leaves.
 * B(m) or I(m) on stage s < S − 1 posts the receive of m's output gradient from stage s + 1 when it starts, header
   and tensors at once (``backward_micro``: the shapes are known), then recomputes (cost R, when the graph was not
   kept: ``keeps_graph``), then waits, computes, and posts the send of the input gradient to stage s − 1 (none from
@@ -38,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from lightning_gpipe.pipe.schedule.registry import Action, keeps_graph
+from lightning_gpipe.pipe.schedule.registry import Action, inputs_ahead, keeps_graph
 
 if TYPE_CHECKING:
     from lightning_gpipe.pipe.state.rematerialize import Checkpoint
@@ -139,8 +143,11 @@ class _Run:
         layout: Layout,
         nccl: bool,
         checkpoint: Checkpoint,
+        ahead: bool = True,
     ) -> None:
         self.actions, self.K, self.S = actions, K, v * K
+        self.ahead = [inputs_ahead(ops, K, r, v) if ahead else {} for r, ops in enumerate(actions)]
+        self.posted_ahead: set[tuple[int, int]] = set()  # (rank, position): an F whose input receive is posted
         self.layout, self.nccl, self.checkpoint = layout, nccl, checkpoint
         self.table = costs if isinstance(costs, Mapping) else {}
         self.default = costs if isinstance(costs, Costs) else Costs()
@@ -208,7 +215,7 @@ class _Run:
                 if 0 <= src < self.S:
                     message: Message = ("activation" if a.kind == "F" else "gradient", a.m, src)
                     self.need[r] = message
-                    if src % K != r:  # posted before the recompute, which fills the wait (backward_micro)
+                    if src % K != r and (r, self.pc[r]) not in self.posted_ahead:  # B: before the recompute
                         self.post(False, r, src % K, message, self.clock[r])
                         if a.kind != "F":
                             self.ready[r] += cost.recv_host
@@ -218,6 +225,10 @@ class _Run:
             if need is not None and need not in self.arrived:
                 return moved
             start = max(self.ready[r], self.arrived[need] if need is not None else 0.0)
+            if (later := self.ahead[r].get(self.pc[r])) is not None:
+                b = ops[later]
+                self.post(False, r, (r - 1) % K, ("activation", b.m, b.c * K + r - 1), start)
+                self.posted_ahead.add((r, later))
             took = getattr(cost, a.kind)
             if a.kind == "F" and cost.F_kept is not None and keeps_graph(self.checkpoint, ops, a.m, a.c):
                 took = cost.F_kept
@@ -335,13 +346,15 @@ def simulate(
     layout: Layout = "link",
     nccl: bool = True,
     checkpoint: Checkpoint = "never",
+    ahead: bool = True,
 ) -> SimulationResult:
     """Run ``actions`` (per rank) on the model in the module docstring; ScheduleError if invalid or stuck.
 
     ``costs``: one Costs for every chunk, or per (rank, chunk) (the others: ``Costs()``); ``checkpoint``: which
-    backwards recompute first (cost R), as the runtime decides with ``keeps_graph``."""
+    backwards recompute first (cost R), as the runtime decides with ``keeps_graph``; ``ahead``: inputs received
+    ahead where the schedule allows (False: each posted when its F starts)."""
     _validate(actions, K, v)
-    return _Run(actions, K, v, costs, layout, nccl, checkpoint).run()
+    return _Run(actions, K, v, costs, layout, nccl, checkpoint, ahead).run()
 
 
 def draw(actions: Sequence[Sequence[Action]], K: int, v: int = 1, nccl: bool = False) -> list[str]:
