@@ -1,6 +1,7 @@
 """Inputs received ahead (``Links.receive_ahead``) against each posted where its forward starts, at K=2 on gloo."""
 
-# The two arms alternate step by step in one pair of processes; "late" turns receive_ahead into a no-op for its step.
+# The two arms alternate step by step in one pair of processes: the transport's posts_ahead (on by default only where
+# transfers run in posting order, NCCL) on for "ahead", off for "late".
 # Run from the repo root: python -m benchmarks.studies.receive_ahead [--smoke] [--out-dir DIR]
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from torch import nn
 from benchmarks._lib import report
 from benchmarks._lib.machine import Runner, Timing, add_timing_args, launch, measure, stats
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.run.executor import Executor
 
 WIDTH, LAYERS, BATCH, M = 1024, 8, 256, 8
 PATHS = ("fill-drain", "gpipe", "1f1b")
@@ -32,26 +32,24 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
     stage = GPipeStage(build_model(), chunks=M, balance=[LAYERS // 2] * 2)
     offsets = [sum(stage.micro_batch_sizes(x)[:m]) for m in range(M + 1)]
-    ahead = Executor.receive_ahead
+    links = stage._executor.links
+    assert links is not None, "K = 2"
 
     def step(path: str, arm: str) -> Any:
-        Executor.receive_ahead = ahead if arm == "ahead" else (lambda self, m: None)  # type: ignore[method-assign]
-        try:
-            if path == "fill-drain":
-                out = stage(x)
-                loss = F.mse_loss(out, y) if stage.is_last else None
-                if loss is not None:
-                    loss.backward()
-                stage.backward()
-                return None if loss is None else loss.item()
+        links.transport.posts_ahead = arm == "ahead"
+        if path == "fill-drain":
+            out = stage(x)
+            loss = F.mse_loss(out, y) if stage.is_last else None
+            if loss is not None:
+                loss.backward()
+            stage.backward()
+            return None if loss is None else loss.item()
 
-            def loss_fn(out: torch.Tensor, m: int) -> torch.Tensor:
-                target = y[offsets[m] : offsets[m + 1]]
-                return F.mse_loss(out, target, reduction="sum") / y.numel()
+        def loss_fn(out: torch.Tensor, m: int) -> torch.Tensor:
+            target = y[offsets[m] : offsets[m + 1]]
+            return F.mse_loss(out, target, reduction="sum") / y.numel()
 
-            return sum(float(v) for v in stage.forward_backward(x, loss_fn, schedule=path))
-        finally:
-            Executor.receive_ahead = ahead  # type: ignore[method-assign]
+        return sum(float(v) for v in stage.forward_backward(x, loss_fn, schedule=path))
 
     runners = {
         f"{path}/{arm}": Runner(lambda: stage.zero_grad(set_to_none=True), lambda p=path, a=arm: step(p, a))

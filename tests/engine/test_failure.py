@@ -209,8 +209,10 @@ def test_abort_on_first_stage_before_forward() -> None:
 TIMEOUT_S = 3.0
 
 
-def skipping_worker(rank: int, world_size: int) -> dict[str, Any]:
+def skipping_worker(rank: int, world_size: int, nccl: bool = False) -> dict[str, Any]:
     """Stage 0 skips the backward phase (a rank-dependent branch in user code); the others run it."""
+    if nccl:
+        os.environ[ENV] = "1"
     stage = GPipeStage(boom_model(Case("train")), chunks=M, balance=BALANCE, timeout=TIMEOUT_S)
     x, target = make_input("mlp", N), make_input("mlp", N, seed=1)
     out = stage(x)
@@ -249,3 +251,19 @@ def test_peer_skipping_backward_is_named(skipped_backward: list[Any]) -> None:
     result = skipped_backward[1]
     assert "stage 0" in result["message"], result["message"]
     assert result["elapsed"] < TIMEOUT_S + 2, result  # one timeout, not two
+    # Stage 2's sends all reached stage 1 (gloo says so only from a wait: each pending send gets a short one).
+    assert "never received" not in skipped_backward[2]["message"], skipped_backward[2]
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_peer_under_nccl_rules_is_a_timeout_on_the_others() -> None:
+    """The same skipped backward with each data group's transfers in posting order (NCCL's rules): the stages that
+    wait raise PipelineTimeout naming stage 0 within the timeout + 5 s, not a hang of the data queues."""
+    results = run_distributed(skipping_worker, K, True, timeout=40, pg_timeout=20, expect_errors=True)
+    for rank in (1, 2):
+        result = results[rank]
+        assert isinstance(result, dict) and result["outcome"] == "raised", (rank, result)
+        assert result["type"] == "PipelineTimeout", (rank, result)
+        assert result["elapsed"] < TIMEOUT_S + 5, (rank, result)
+    assert "stage 0 never received" in results[1]["message"], results[1]
+    assert "never received" not in results[2]["message"], results[2]  # stage 1 took all stage 2 sent

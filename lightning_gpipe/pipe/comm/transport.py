@@ -15,8 +15,8 @@ the world's, shared with every collective. Every queue then runs in one order th
 Sends never block: they are queued and retired once the peer has received them. On NCCL a wait for tensor data
 makes the CUDA stream wait, not the host (the header, on gloo, already told the host what comes and from whom, and
 carries timeouts and errors). A header may instead carry an error, which is how a failing stage wakes up peers
-that wait for it. A receive can be posted ahead of the call that takes it (``post_ahead``): its tensors' receives
-go out at the first ``poll`` after its header came, before the stage queues its next compute, because on NCCL a
+that wait for it. On NCCL a receive can be posted ahead of the call that takes it (``post_ahead``): its tensors'
+receives go out at the first ``poll`` after its header came, before the stage queues its next compute, because a
 receive posted after a compute waits for that compute on the stream.
 """
 
@@ -186,6 +186,10 @@ class Transport:
         # A model of NCCL on gloo (NCCL itself needs none): one in-order queue per group, made at its first use.
         self._ordered: dict[str, nccl_order.OrderedP2P] = {}
         self._models_nccl = nccl_order.enabled() and not self.stream_waits
+        # Receives posted ahead (post_ahead) where a receive posted after a compute would wait for it: on NCCL (and
+        # its model). gloo moves the bytes on its own thread whenever the receive is posted; on a CPU that thread
+        # only competes with the compute (benchmarks/results/receive_ahead/README.md).
+        self.posts_ahead = self.stream_waits or self._models_nccl
         # (work, buffer, peer, whether it is tensor data): kept until the peer received it.
         self._pending_sends: list[tuple[Any, torch.Tensor, int, bool]] = []
         # Receives posted ahead of the call that takes them, by (source, tag), in posting order (see post_ahead).
@@ -315,8 +319,10 @@ class Transport:
     def post_ahead(self, src: int, what: str, *, tag: int = HEADER_TAG) -> None:
         """Post now the receive that the next ``post_recv(src, tag=tag)`` will take: its header at once, its tensors at
         the first :meth:`poll` after the header came. The caller knows that no other receive from ``src`` on ``tag``
-        comes between (gloo and NCCL match a peer's messages in order)."""
-        self._ahead[src, tag].append(PendingRecv(self, src, tag, None, what))
+        comes between (gloo and NCCL match a peer's messages in order). Where ``posts_ahead`` is False, nothing:
+        the receive is posted where it is taken."""
+        if self.posts_ahead:
+            self._ahead[src, tag].append(PendingRecv(self, src, tag, None, what))
 
     def poll(self) -> None:
         """Post the tensors of every receive posted ahead whose header has come; never blocks."""
@@ -335,8 +341,19 @@ class Transport:
         self._pending_sends = [s for s in self._pending_sends if not _ended(s[0])]
 
     def unreceived(self) -> list[int]:
-        """The stages that have not yet received something this stage sent them."""
-        return sorted({d for w, _, d, _ in self._pending_sends if not _ended(w)})
+        """The stages that have not yet received something this stage sent them (asked once a wait failed: gloo
+        reports a send complete only from its ``wait()``, so each of its sends gets a short one, which ends it)."""
+        return sorted({d for w, _, d, data in self._pending_sends if not self._received(w, data)})
+
+    def _received(self, work: Any, data: bool) -> bool:
+        if _ended(work):
+            return True
+        if data and self.stream_waits:  # NCCL's answer above is the truth; its wait would block the host
+            return False
+        try:
+            return bool(work.wait(timedelta(milliseconds=20)))
+        except RuntimeError:
+            return False
 
     def wait_sends(self) -> None:
         """Wait until the peers received every send (on NCCL, the stream waits for the data: no host sync)."""
