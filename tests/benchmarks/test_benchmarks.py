@@ -30,6 +30,7 @@ NOT_RUN = {
     "studies.engine_speed": "python -m benchmarks.studies.engine_speed --smoke --out-dir DIR: 61 s",
     "studies.output_modes": "python -m benchmarks.studies.output_modes --smoke --out-dir DIR: 45 s",
     "studies.remat_forward_ab": "python -m benchmarks.studies.remat_forward_ab --smoke --out-dir DIR: 67 s",
+    "studies.receive_ahead": "python -m benchmarks.studies.receive_ahead --smoke --out-dir DIR: 21 s",
     # Three launches (4, 8 and 1 processes, each importing Lightning) and four Trainer fits: 47 s on the idle VM,
     # 59-109 s beside other test runs.
     "fsdp": "python -m benchmarks.fsdp --smoke --out-dir DIR: 47 s",
