@@ -220,11 +220,17 @@ class Tray:
         self.skips = skips
         self.items = items
         self.layer = ""
+        self.layer_class = ""
+
+    @property
+    def where(self) -> str:
+        """The running layer as errors name it: its index in the nn.Sequential and its class."""
+        return f"layer {self.layer} ({self.layer_class})" if self.layer_class else f"layer {self.layer}"
 
     def _check(self, name: str, declared: dict[str, tuple[str, ...]], verb: str) -> None:
         if name not in declared.get(self.layer, ()):
             raise RuntimeError(
-                f"layer {self.layer} of the pipelined nn.Sequential calls {verb}({name!r}) without declaring it, so "
+                f"{self.where} of the pipelined nn.Sequential calls {verb}({name!r}) without declaring it, so "
                 f"the pipeline cannot route skip {name!r} between stages; declare it on the module that calls it: "
                 f"skippable(module, {verb}=[{name!r}]) (see {GUIDE})"
             )
@@ -233,7 +239,7 @@ class Tray:
         self._check(name, self.skips.stashes, "stash")
         if name in self.items:
             raise RuntimeError(
-                f"layer {self.layer} stashes skip {name!r} twice in one forward; each skip is stashed once"
+                f"{self.where} stashes skip {name!r} twice in one forward; each skip is stashed once"
             )
         self.items[name] = value
 
@@ -241,7 +247,7 @@ class Tray:
         self._check(name, self.skips.pops, "pop")
         if name not in self.items:
             raise RuntimeError(
-                f"layer {self.layer} pops skip {name!r}, which is not there: the layer declared to stash it did not "
+                f"{self.where} pops skip {name!r}, which is not there: the layer declared to stash it did not "
                 "call stash in this forward, or the skip was popped already; each skip is stashed and popped once "
                 "per forward"
             )
@@ -298,7 +304,8 @@ def skip_layers(module: nn.Sequential) -> dict[str, tuple[int, int]]:
                 for name in names:
                     at = where[verb].setdefault(name, [])
                     if not at or at[-1][0] != i:
-                        at.append((i, f"{layer_name}.{sub_name}" if sub_name else layer_name))
+                        named = f"{layer_name}.{sub_name}" if sub_name else layer_name
+                        at.append((i, f"layer {named} ({type(sub).__name__})"))
     problems = []
     for name in sorted({*where["stash"], *where["pop"]}):
         stashed, popped = where["stash"].get(name, []), where["pop"].get(name, [])

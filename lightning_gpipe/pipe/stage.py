@@ -320,7 +320,7 @@ class GPipeStage(nn.Module):
             assert layer is not None, f"layer {name} was set to None"
             reseed(mix(seed, self._name_keys[name]), self._device)
             if tray is not None:
-                tray.layer = name
+                tray.layer, tray.layer_class = name, type(layer).__name__
             x = layer(x)
         return x
 

@@ -102,7 +102,10 @@ class GPipeStrategy(ParallelStrategy):
         check_batches: when the stages compare fingerprints of their batches, which must be equal: the
             ``"first"`` step of every epoch, ``"always"`` or ``"never"``.
         pipeline_loss: ``"auto"`` runs the module's ``pipeline_loss`` hook inside the pipeline where the module
-            defines it; ``True`` requires it, ``False`` keeps the loss on the whole output.
+            defines it; ``True`` requires it, ``False`` keeps the loss on the whole output. Training calls the hook
+            per micro-batch (each backward starts at once); validation and test call it once, on the whole batch's
+            output on the last stage (there is no backward to start): for a hook that adds up over micro-batches,
+            which training checks, both give the same value.
         schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (at most
             K − k micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
             (1F1B with the weight gradients of linear, convolution and embedding layers deferred into the drain: a

@@ -74,9 +74,12 @@ def test_routes() -> None:
 @pytest.mark.parametrize(
     ("layers", "message"),
     [
-        ([Stash("a"), nn.Identity()], "skip 'a' is stashed by 0 and popped by no layer"),
-        ([Pop("a"), Stash("a")], "skip 'a' is popped by 0 before 1 stashes it"),
-        ([Stash("a"), Stash("a"), Pop("a")], "skip 'a' is stashed by 0 and 1 and popped by 2"),
+        ([Stash("a"), nn.Identity()], "skip 'a' is stashed by layer 0 (Stash) and popped by no layer"),
+        ([Pop("a"), Stash("a")], "skip 'a' is popped by layer 0 (Pop) before layer 1 (Stash) stashes it"),
+        (
+            [Stash("a"), Stash("a"), Pop("a")],
+            "skip 'a' is stashed by layer 0 (Stash) and layer 1 (Stash) and popped by layer 2 (Pop)",
+        ),
     ],
 )
 def test_declarations_that_cannot_run(layers: list[nn.Module], message: str) -> None:
@@ -102,12 +105,14 @@ class PopsB(nn.Module):
 def test_undeclared_and_missing_skips_are_errors() -> None:
     x = torch.randn(2, 3)
     stage = GPipeStage(nn.Sequential(Stash("a"), Undeclared(), Pop("a", merge="add")), chunks=1)
-    with pytest.raises(RuntimeError, match=r"layer 1 .* calls stash\('b'\) without declaring it.*skippable"):
+    with pytest.raises(
+        RuntimeError, match=r"layer 1 \(Undeclared\) .* calls stash\('b'\) without declaring it.*skippable"
+    ):
         stage(x)
     stage.reset()
     quiet = skippable(nn.Identity(), stash=["b"])  # declared, never called
     stage = GPipeStage(nn.Sequential(quiet, PopsB()), chunks=1)
-    with pytest.raises(RuntimeError, match=r"layer 1 pops skip 'b', which is not there"):
+    with pytest.raises(RuntimeError, match=r"layer 1 \(PopsB\) pops skip 'b', which is not there"):
         stage(x)
 
 
