@@ -238,9 +238,7 @@ class Tray:
     def stash(self, name: str, value: Any) -> None:
         self._check(name, self.skips.stashes, "stash")
         if name in self.items:
-            raise RuntimeError(
-                f"{self.where} stashes skip {name!r} twice in one forward; each skip is stashed once"
-            )
+            raise RuntimeError(f"{self.where} stashes skip {name!r} twice in one forward; each skip is stashed once")
         self.items[name] = value
 
     def pop(self, name: str) -> Any:
