@@ -4,16 +4,68 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 INSTALL = 'pip install "lightning-gpipe[hf]"'
-# model_type → the structure its causal LM shares: Llama's (model.embed_tokens, model.layers, model.norm,
-# model.rotary_emb, lm_head) or GPT-2's (transformer.wte, .wpe, .drop, .h, .ln_f, lm_head).
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt2"}
 GUIDE = 'docs/guide.md, "Pipelining a HuggingFace model"'
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a model_type's causal LM is laid out, and what its forward does around the decoder layers that is not
+    in a module: ``structure`` "llama" (model.embed_tokens, .layers, .norm, .rotary_emb; lm_head) or "gpt2"
+    (transformer.wte, .wpe, .drop, .h, .ln_f; lm_head); ``sliding_by_config``: without ``config.layer_types``, a
+    ``config.sliding_window`` makes every layer attend within it; ``embedding_multiplier``: the base model scales the
+    embeddings by its ``embedding_multiplier``; ``logits``: what its ForCausalLM does to the head's output, "softcap"
+    (tanh soft-capping at ``config.final_logit_softcapping``), "logit_scale" (times the model's ``logit_scale``),
+    "divide_scaling" or "multiply_scaling" (by ``config.logits_scaling``)."""
+
+    structure: Literal["llama", "gpt2"] = "llama"
+    sliding_by_config: bool = False  # every layer attends within config.sliding_window when it is set (Mistral's)
+    embedding_multiplier: bool = False
+    logits: Literal["softcap", "logit_scale", "divide_scaling", "multiply_scaling"] | None = None
+
+
+_LLAMA, _SOFTCAP = Family(), Family(logits="softcap")
+_GRANITE = Family(embedding_multiplier=True, logits="divide_scaling")
+# Every model_type tried: a tiny random model in float64 gives the HF model's logits and gradients, with padding
+# (tests/hf/test_families.py; the guide's table). Mixture-of-experts ones without the routers' auxiliary loss.
+_LLAMA_TYPES = """
+    apertus arcee bitnet cwm diffllama ernie4_5 exaone exaone4 flint gemma glm glm4 helium hunyuan_v1_dense internlm3
+    jais2 llama ministral nemotron olmo olmo2 qwen2 qwen3 seed_oss smollm3 stablelm
+    ernie4_5_moe flex_olmo glm4_moe gpt_oss hunyuan_v1_moe jetmoe olmoe qwen2_moe
+""".split()  # noqa: SIM905 (a list, one per line, would take 40); the second line: mixtures of experts
+FAMILIES: dict[str, Family] = {
+    **dict.fromkeys(_LLAMA_TYPES, _LLAMA),
+    **dict.fromkeys(
+        ("doge", "ministral3", "mistral", "phi3", "starcoder2", "mixtral", "phimoe", "qwen3_moe"),
+        Family(sliding_by_config=True),
+    ),
+    **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), _SOFTCAP),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), Family(logits="logit_scale")),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), _GRANITE),
+    "hyperclovax": Family(embedding_multiplier=True, logits="multiply_scaling"),
+    "gpt2": Family(structure="gpt2"),
+}
+# Tried and refused, with the reason (what differs from the layouts above; other model_types were not tried).
+_NOT_LLAMA = "its final norm (or embedding, or layer list) is not where the Llama layout has it"
+_STATE = "its recurrent (linear-attention or Mamba) layers take masks and caches the model builds its own way"
+REFUSED: dict[str, str] = {
+    "nanochat": "its forward applies the final norm before the layers as well as after them",
+    "phi": f"{_NOT_LLAMA} (model.final_layernorm), and its embeddings pass a dropout in the forward",
+    "persimmon": _NOT_LLAMA,
+    "lfm2": _NOT_LLAMA,
+    "gpt_neox": f"{_NOT_LLAMA} (GPT-NeoX's: gpt_neox.embed_in, .layers, .final_layer_norm, embed_out)",
+    "falcon": f"{_NOT_LLAMA} (Falcon's: transformer.word_embeddings, .h, .ln_f)",
+    "opt": f"{_NOT_LLAMA} (OPT's: model.decoder.embed_tokens, .layers, learned positions)",
+    "minicpm3": "its layers do not take the rotary embeddings the way Llama's layers do",
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "olmo_hybrid", "granitemoehybrid", "jamba", "bamba"), _STATE),
+}
 
 # What crosses every boundary: the hidden states, the 2-d attention mask and the positions (small integer tensors).
 # The 4-d mask and the rotary embeddings are computed from them on each stage (once per micro-batch), not sent:
@@ -34,13 +86,15 @@ class _PerMicroBatch:
     others: they receive the very same mask and position tensors. One entry: a stage runs a micro-batch's layers
     one after the other, and a miss only recomputes."""
 
-    def __init__(self, config: Any, rotary_class: type[nn.Module] | None) -> None:
-        self.config = config
+    def __init__(self, config: Any, rotary_class: type[nn.Module] | None, family: Family) -> None:
+        self.config, self.family = config, family
         self.rotary_class = rotary_class
         self.rotary: dict[torch.device, nn.Module] = {}
         self.key: tuple[Any, ...] = ()
         self.masks: dict[str, Any] = {}
-        self.rope: tuple[Tensor, Tensor] | None = None
+        self.rope: dict[str | None, tuple[Tensor, Tensor]] = {}
+        # Gemma3's, OLMo3's: one rotary module whose frequencies differ per layer type, asked for each.
+        self.per_type = rotary_class is not None and "layer_type" in inspect.signature(rotary_class.forward).parameters
 
     def get(self, hidden: Tensor, mask: Tensor, positions: Tensor) -> _PerMicroBatch:
         key = (mask, positions, mask._version, positions._version, hidden.dtype, hidden.device, hidden.shape)
@@ -48,7 +102,7 @@ class _PerMicroBatch:
             a is b if isinstance(a, Tensor) else a == b for a, b in zip(self.key, key)
         )
         if not same:
-            self.key, self.masks, self.rope = key, {}, None
+            self.key, self.masks, self.rope = key, {}, {}
         return self
 
     def mask(self, kind: str, hidden: Tensor, mask: Tensor, positions: Tensor) -> Any:
@@ -61,15 +115,17 @@ class _PerMicroBatch:
             self.masks[kind] = _call_mask(fn or masking_utils.create_causal_mask, self.config, hidden, mask, positions)
         return self.masks[kind]
 
-    def position_embeddings(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        if self.rope is None:
+    def position_embeddings(self, hidden: Tensor, positions: Tensor, layer_type: str) -> tuple[Tensor, Tensor]:
+        kind = layer_type if self.per_type else None
+        if kind not in self.rope:
             assert self.rotary_class is not None
             if hidden.device not in self.rotary:  # built here, not with the model: on the meta device it has no values
                 with torch.device("cpu"):  # as the model computes its frequencies, whatever the default device
                     rotary = self.rotary_class(config=self.config)
                 self.rotary[hidden.device] = rotary.to(hidden.device)
-            self.rope = self.rotary[hidden.device](hidden, positions)
-        return self.rope
+            extra = (kind,) if self.per_type else ()
+            self.rope[kind] = self.rotary[hidden.device](hidden, positions, *extra)
+        return self.rope[kind]
 
 
 def _call_mask(fn: Callable[..., Any], config: Any, hidden: Tensor, mask: Tensor, positions: Tensor) -> Any:
@@ -96,11 +152,19 @@ class CausalLMInput(HFLayer):
     """Layer 0: the token (and, for GPT-2, position) embeddings; takes ``input_ids`` or a batch mapping with
     ``input_ids`` and optionally ``attention_mask`` and ``position_ids``."""
 
-    def __init__(self, config: Any, family: str, modules: Mapping[str, nn.Module], hf_names: dict[str, str]) -> None:
+    def __init__(
+        self,
+        config: Any,
+        family: str,
+        modules: Mapping[str, nn.Module],
+        hf_names: dict[str, str],
+        multiplier: float | None = None,
+    ) -> None:
         super().__init__()
         for name, module in modules.items():
             self.add_module(name, module)
         self.config, self.family, self.hf_names = config, family, hf_names
+        self.multiplier = multiplier  # Granite's embedding_multiplier, as its base model applies it
 
     def forward(self, batch: Tensor | Mapping[str, Tensor]) -> Carried:
         ids = batch if isinstance(batch, Tensor) else batch["input_ids"]
@@ -115,6 +179,8 @@ class CausalLMInput(HFLayer):
             hidden = part("drop")(part("wte")(ids) + part("wpe")(positions))
         else:
             hidden = part("embed_tokens")(ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
         return hidden, mask, positions
 
 
@@ -127,7 +193,7 @@ class CausalLMDecoderLayer(HFLayer):
         super().__init__()
         self.layer = layer
         self.config, self.family, self.hf_names = per_micro_batch.config, family, {"layer": f"{prefix}.{index}"}
-        self.mask_kind = _mask_kind(per_micro_batch.config, index)
+        self.mask_kind = _mask_kind(per_micro_batch.config, index, per_micro_batch.family.sliding_by_config)
         self.per_micro_batch = per_micro_batch  # one for every layer of the backbone (not a module: no weights)
 
     def forward(self, x: Carried) -> Carried:
@@ -137,7 +203,7 @@ class CausalLMDecoderLayer(HFLayer):
         if self.family == "gpt2":
             out = self.layer(hidden, attention_mask=causal, position_ids=positions)
         else:
-            rope = shared.position_embeddings(hidden, positions)
+            rope = shared.position_embeddings(hidden, positions, self.mask_kind)
             out = self.layer(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)
         return (out[0] if isinstance(out, tuple) else out), mask, positions
 
@@ -146,32 +212,58 @@ class CausalLMHead(HFLayer):
     """The last layer: the final norm and the LM head; returns the logits [N, T, V]."""
 
     def __init__(
-        self, config: Any, norm: nn.Module, lm_head: nn.Module, hf_names: dict[str, str], tied_to: str | None
+        self,
+        config: Any,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        hf_names: dict[str, str],
+        tied_to: str | None,
+        logits: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
         self.config, self.hf_names = config, hf_names
         self.tied_to = tied_to  # the embedding's name in the HF model when the head's weight is it
+        self.logits = logits  # what the family's ForCausalLM does to the head's output (Family.logits)
 
     def forward(self, x: Carried) -> Tensor:
-        return self.lm_head(self.norm(x[0]))
+        logits = self.lm_head(self.norm(x[0]))
+        return logits if self.logits is None else self.logits(logits)
 
 
-def _mask_kind(config: Any, index: int) -> str:
-    """Which of the model's masks layer ``index`` attends with (Qwen's per-layer types, Mistral's sliding window)."""
+def _logits(model: nn.Module, config: Any, kind: str | None) -> Callable[[Tensor], Tensor] | None:
+    """The family's change to the head's logits, with the same operations in the same order as its ForCausalLM."""
+    if kind == "softcap":
+        cap = getattr(config, "final_logit_softcapping", None)
+        return None if cap is None else partial(_softcap, cap=cap)
+    if kind == "logit_scale":
+        return partial(torch.mul, other=model.logit_scale)  # type: ignore[arg-type]
+    if kind == "divide_scaling":
+        return partial(torch.div, other=config.logits_scaling)
+    if kind == "multiply_scaling":
+        return partial(torch.mul, other=config.logits_scaling)
+    return None
+
+
+def _softcap(logits: Tensor, cap: float) -> Tensor:
+    return torch.tanh(logits / cap) * cap
+
+
+def _mask_kind(config: Any, index: int, sliding_by_config: bool) -> str:
+    """Which of the model's masks layer ``index`` attends with (Qwen's per-layer types, Mistral's sliding window);
+    also its layer type for a rotary module that differs per type."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return str(layer_types[index])
-    if getattr(config, "model_type", "") == "mistral" and getattr(config, "sliding_window", None) is not None:
+    if sliding_by_config and getattr(config, "sliding_window", None) is not None:
         return "sliding_attention"
     return "full_attention"
 
 
 def _refuse(model: nn.Module, why: str) -> ValueError:
     return ValueError(
-        f"causal_lm_backbone({type(model).__name__}): {why}. It covers the causal LMs of "
-        f"{', '.join(sorted(FAMILIES))} (Llama's structure, which Qwen2/3 and Mistral share, and GPT-2's); for another "
-        f"model wrap its blocks as {GUIDE} shows (a layer taking and returning one tuple)"
+        f"causal_lm_backbone({type(model).__name__}): {why}. It covers {len(FAMILIES)} families (their table: "
+        f"{GUIDE}); for another model wrap its blocks as the guide shows (a layer taking and returning one tuple)"
     )
 
 
@@ -189,9 +281,19 @@ def causal_lm_backbone(model: nn.Module) -> nn.Sequential:
     require_transformers()
     config: Any = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED:
+        raise _refuse(model, f"model_type {model_type!r} cannot be split as it is: {REFUSED[model_type]}")
     if model_type not in FAMILIES:
-        raise _refuse(model, f"model_type {model_type!r} is not one it knows")
-    family = FAMILIES[model_type]
+        raise _refuse(model, f"model_type {model_type!r} has not been tried")
+    if getattr(config, "output_router_logits", False):
+        raise _refuse(
+            model,
+            "config.output_router_logits is on, so the HF model adds its routers' auxiliary loss, over every layer "
+            "and the whole batch, which the pipeline does not compute yet; set it to False (the loss is then the "
+            "HF model's without it, exactly)",
+        )
+    spec = FAMILIES[model_type]
+    family = spec.structure
     base = getattr(model, "transformer" if family == "gpt2" else "model", None)
     lm_head = getattr(model, "lm_head", None)
     if base is None or lm_head is None:
@@ -217,12 +319,14 @@ def causal_lm_backbone(model: nn.Module) -> nn.Sequential:
         head = CausalLMHead(config, base.ln_f, lm_head, {"norm": "transformer.ln_f", "lm_head": "lm_head"}, tied)
     else:
         blocks, prefix, rotary = base.layers, "model.layers", type(base.rotary_emb)
+        multiplier = base.embedding_multiplier if spec.embedding_multiplier else None
         embed = CausalLMInput(
-            config, family, {"embed_tokens": base.embed_tokens}, {"embed_tokens": "model.embed_tokens"}
+            config, family, {"embed_tokens": base.embed_tokens}, {"embed_tokens": "model.embed_tokens"}, multiplier
         )
         tied = "model.embed_tokens.weight" if lm_head.weight is base.embed_tokens.weight else None
-        head = CausalLMHead(config, base.norm, lm_head, {"norm": "model.norm", "lm_head": "lm_head"}, tied)
-    shared = _PerMicroBatch(config, rotary)
+        logits = _logits(model, config, spec.logits)
+        head = CausalLMHead(config, base.norm, lm_head, {"norm": "model.norm", "lm_head": "lm_head"}, tied, logits)
+    shared = _PerMicroBatch(config, rotary, spec)
     layers = [CausalLMDecoderLayer(b, i, shared, family, prefix) for i, b in enumerate(blocks)]
     return nn.Sequential(embed, *layers, head)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,49 @@ from lightning_gpipe.hf import (
 )
 
 VOCAB, BATCH, LR = 64, 8, 0.01
+# Mixtures of experts in float64: their grouped kernels take none (what HF saves does not say so).
+EAGER = {"experts_implementation": "eager"}
 Batch = dict[str, Tensor]
 
 
+# Any family's tiny config: these where the config has them, its own steps set away from the identity (soft-capping,
+# logit scales, embedding and residual multipliers) so that a step a backbone leaves out shows.
+SMALL: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "vocab_size": VOCAB, "max_position_embeddings": 64, "n_embd": 32,
+    "n_layer": 4, "n_head": 4, "n_positions": 64, "moe_intermediate_size": 32, "num_experts": 4,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "n_routed_experts": 4, "shared_expert_intermediate_size": 32,
+    "sliding_window": 4, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "final_logit_softcapping": 3.0, "logit_scale": 0.5, "logits_scaling": 2.0, "embedding_multiplier": 1.7,
+    "residual_multiplier": 0.8, "attention_multiplier": 0.3,
+}  # fmt: skip
+
+
+def small_config(model_type: str, dropout: float = 0.0, **overrides: Any) -> Any:
+    """A tiny config of any ``model_type`` (``SMALL``); every dropout (and a router's jitter) at ``dropout``."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    off = [name for name in vars(cfg) if "dropout" in name or "pdrop" in name or "jitter" in name]
+    for name, value in {**SMALL, **dict.fromkeys(off, dropout), **overrides}.items():
+        if hasattr(cfg, name):
+            with contextlib.suppress(AttributeError):  # a value the config derives (a property without a setter)
+                setattr(cfg, name, value)
+    if getattr(cfg, "layer_types", None):
+        with contextlib.suppress(AttributeError):
+            cfg.layer_types = [cfg.layer_types[i % len(cfg.layer_types)] for i in range(cfg.num_hidden_layers)]
+    cfg._experts_implementation = "eager"  # the grouped kernels of mixtures of experts take no float64
+    return cfg
+
+
 def config(family: str, dropout: float = 0.0, **overrides: Any) -> Any:
-    """A tiny config of ``family`` (4 decoder layers); GPT-2's ties its head to the embedding, this Llama's not."""
+    """A tiny config of ``family`` (4 decoder layers); GPT-2's ties its head to the embedding, this Llama's not; any
+    other model_type's from :func:`small_config`."""
     from transformers import GPT2Config, LlamaConfig
+
+    if family not in ("gpt2", "llama"):
+        tied = {"tie_word_embeddings": family == "gemma2"}  # Gemma's own default: one tied head among the others
+        return small_config(family, dropout, **{**tied, **overrides})
 
     if family == "gpt2":
         return GPT2Config(**{
@@ -74,7 +112,7 @@ class PipelinedLM(pl.LightningModule):
             return
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        cfg = self.cfg if self.cfg is not None else AutoConfig.from_pretrained(self.folder)
+        cfg = self.cfg if self.cfg is not None else AutoConfig.from_pretrained(self.folder, **EAGER)
         self.backbone = causal_lm_backbone(AutoModelForCausalLM.from_config(cfg))
 
     def on_fit_start(self) -> None:
@@ -110,7 +148,7 @@ class PlainLM(pl.LightningModule):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, **EAGER)
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -66,8 +66,13 @@ def test_other_models_are_refused_by_name() -> None:
     opt = transformers.OPTForCausalLM(
         transformers.OPTConfig(hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2, vocab_size=VOCAB)
     )
-    with pytest.raises(ValueError, match=r"model_type 'opt'.*gpt2, llama, mistral, qwen2, qwen3.*Pipelining a Hugg"):
+    with pytest.raises(ValueError, match=r"model_type 'opt' cannot be split as it is: .*OPT's.*Pipelining a Hugg"):
         causal_lm_backbone(opt)
+    bert = transformers.BertLMHeadModel(
+        transformers.BertConfig(hidden_size=16, num_hidden_layers=1, intermediate_size=32, num_attention_heads=2)
+    )
+    with pytest.raises(ValueError, match=r"model_type 'bert' has not been tried.*covers \d+ families"):
+        causal_lm_backbone(bert)
     with pytest.raises(ValueError, match=r"the \.\.\.ForCausalLM class"):
         causal_lm_backbone(transformers.LlamaModel(config("llama")))
     model = tiny("llama")
