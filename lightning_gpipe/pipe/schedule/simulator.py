@@ -7,7 +7,7 @@ What it assumes the runtime does (``forward_backward``, ``Executor.forward_micro
 * F(m) on stage s > 0 receives m's activation from stage s − 1 when it starts (``Links.receive``: the header on the
   gloo group, then the tensors' receives) and waits for it; it computes, then posts the send of its output to stage
   s + 1 (none from the last stage). Where the next receive from that rank is an F's input too
-  (``registry.inputs_ahead``), its receive is posted as the F computes (``ahead=True``, as the runtime does:
+  (``registry.inputs_ahead``), its receive is posted as the F computes (``ahead=True``, as the runtime does on NCCL:
   ``Links.receive_ahead``, its tensors posted at the first poll after their header came, taken here as the moment
   the send is posted), so that input's bytes move while the rank computes. A send never blocks the rank, only its
   communicator's queue; posting it takes the rank's host ``send_host`` (pickling the header, one isend per
@@ -346,15 +346,16 @@ def simulate(
     layout: Layout = "link",
     nccl: bool = True,
     checkpoint: Checkpoint = "never",
-    ahead: bool = True,
+    ahead: bool | None = None,
 ) -> SimulationResult:
     """Run ``actions`` (per rank) on the model in the module docstring; ScheduleError if invalid or stuck.
 
     ``costs``: one Costs for every chunk, or per (rank, chunk) (the others: ``Costs()``); ``checkpoint``: which
     backwards recompute first (cost R), as the runtime decides with ``keeps_graph``; ``ahead``: inputs received
-    ahead where the schedule allows (False: each posted when its F starts)."""
+    ahead where the schedule allows (False: each posted when its F starts); by default where the runtime does it,
+    under NCCL's rules (``nccl``), not on gloo."""
     _validate(actions, K, v)
-    return _Run(actions, K, v, costs, layout, nccl, checkpoint, ahead).run()
+    return _Run(actions, K, v, costs, layout, nccl, checkpoint, nccl if ahead is None else ahead).run()
 
 
 def draw(actions: Sequence[Sequence[Action]], K: int, v: int = 1, nccl: bool = False) -> list[str]:
