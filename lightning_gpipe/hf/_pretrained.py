@@ -173,10 +173,16 @@ def load_pretrained(backbone: nn.Module, folder: str | Path) -> None:
                 files[file] = _SafetensorsFile(folder / file)
             _read(files[file], source, tensor)
     if missing:
+        per_expert = any(".experts." in name for name in missing) and any(".experts.0." in n for n in weight_map)
+        why = (
+            "HF saves a mixture of experts one tensor per expert and fuses them as it loads (its checkpoint "
+            "conversion), which load_pretrained does not do yet: load such a folder with from_pretrained"
+            if per_expert
+            else "it was saved from another model than the config this backbone was built from"
+        )
         raise KeyError(
             f"{folder} lacks {len(missing)} of this rank's weights ({', '.join(missing[:5])}"
-            f"{' …' if len(missing) > 5 else ''}): it was saved from another model than the config this backbone "
-            "was built from"
+            f"{' …' if len(missing) > 5 else ''}): {why}"
         )
 
 

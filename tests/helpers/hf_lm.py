@@ -60,8 +60,10 @@ def config(family: str, dropout: float = 0.0, **overrides: Any) -> Any:
     from transformers import GPT2Config, LlamaConfig
 
     if family not in ("gpt2", "llama"):
-        tied = {"tie_word_embeddings": family == "gemma2"}  # Gemma's own default: one tied head among the others
-        return small_config(family, dropout, **{**tied, **overrides})
+        # Gemma2: tied, as Gemma's default (one tied head among the others); its window past any row's length, since
+        # its eager attention gives NaN where a padded query has no key left in the window (HF's own forward too).
+        own = {"tie_word_embeddings": True, "sliding_window": 16} if family == "gemma2" else {}
+        return small_config(family, dropout, **{**own, **overrides})
 
     if family == "gpt2":
         return GPT2Config(**{

@@ -102,3 +102,12 @@ def test_the_guides_table_lists_every_family_tried() -> None:
     named = [n.strip() for row in rows for n in row.split("|")[1].replace("refused:", "").split(",")]
     assert sorted(named) == sorted({*FAMILIES, *REFUSED})
     assert f"with no adapters to write: {len(FAMILIES)} families" in text
+
+
+def test_a_mixture_of_experts_saved_by_hf_says_why_load_pretrained_cannot_read_it(tmp_path: Path) -> None:
+    """HF writes one tensor per expert and fuses them as it loads; load_pretrained names that, not a wrong model."""
+    from lightning_gpipe.hf import load_pretrained
+
+    tiny("mixtral").save_pretrained(tmp_path)
+    with pytest.raises(KeyError, match=r"one tensor per expert.*load such a folder with from_pretrained"):
+        load_pretrained(causal_lm_backbone(tiny("mixtral")), tmp_path)

@@ -22,7 +22,7 @@ from tests.helpers.launch import quiet_trainer, run_distributed
 
 pytest.importorskip("transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'")
 
-STEPS, TOL = 4, 1e-9
+STEPS, TOL, FLOAT32_NORMS = 4, 1e-9, 1e-6
 
 
 def pipelined_worker(
@@ -97,8 +97,8 @@ def torch_initial(folder: Path) -> dict[str, torch.Tensor]:
     "family, schedule",
     [
         ("llama", "gpipe"), ("gpt2", "gpipe"), ("llama", "zb-h1"), ("llama", "interleaved-1f1b"), ("gpt2", "zb-h1"),
-        # soft-capped logits, sliding and full layers, a tied head; multipliers; a mixture of experts
-        ("gemma2", "1f1b"), ("granite", "gpipe"), ("mixtral", "gpipe"),
+        # soft-capped logits and a tied head; multipliers; fused projections and a sliding window from the config
+        ("gemma2", "1f1b"), ("granite", "gpipe"), ("phi3", "gpipe"),
     ],
 )  # fmt: skip
 def test_k2_equals_the_plain_hf_model(family: str, schedule: str, tmp_path: Path) -> None:
@@ -115,7 +115,9 @@ def test_k2_equals_the_plain_hf_model(family: str, schedule: str, tmp_path: Path
     assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     assert ("lm_head.weight" in index["weight_map"]) == (family not in ("gpt2", "gemma2"))
     errors = compare(tmp_path / "out", plain_run(tmp_path / "pretrained", STEPS))
-    assert max(errors.values()) <= TOL, errors
+    # Gemma2's RMSNorm computes in float32 whatever the model's dtype (its x.float()): a float64 difference in the
+    # summation order of a micro-batch's gradients flips a float32 rounding there, which AdamW's steps carry on.
+    assert max(errors.values()) <= (FLOAT32_NORMS if family == "gemma2" else TOL), errors
 
 
 @pytest.mark.timeout(250)
