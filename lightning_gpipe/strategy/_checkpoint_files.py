@@ -22,12 +22,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_gpipe.pipe._torch_internals import optimizer_state_dict
 from lightning_gpipe.strategy import _optimizer_format as optimizer_format
 from lightning_gpipe.strategy._weight_copies import Owners
 
@@ -42,7 +42,7 @@ def local_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> di
     """This rank's model and optimizer states, under global names."""
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        state[f"optimizer_{i}"] = optimizer_state_dict(model, optimizer, _FLAT)
     return state
 
 
@@ -138,7 +138,7 @@ def save_single_file(
             if isinstance(plan, list):
                 state[f"optimizer_{i}"] = optimizer_format.named_state(model, optimizer)
             else:
-                state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+                state[f"optimizer_{i}"] = optimizer_state_dict(model, optimizer, _FLAT)
         return _to_cpu(_whole(state))
 
     gathered = _gather(agreed(part, failed))

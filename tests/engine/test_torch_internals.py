@@ -200,3 +200,24 @@ def test_abort_together_uses_the_region_torch_aborts_its_groups_in() -> None:
 
     internals.abort_together([Group("a"), Group("b"), Group("c")], torch.device("cuda", 0))
     assert calls == ["start", "a", "b", "c", "end"]  # one region; one group's error does not stop the others
+
+
+def test_optimizer_state_dict_takes_no_step_where_torchs_would() -> None:
+    """torch's get_optimizer_state_dict runs a step (zero gradients, lr 0) on an optimizer without state, through
+    ``_init_optim_state``; ours reads it as it is: no state before the first step, the same state after one."""
+    import torch.distributed.checkpoint.state_dict as dcp_state
+
+    from lightning_gpipe.pipe._torch_internals import optimizer_state_dict
+
+    assert "_init_optim_state(optim)" in inspect.getsource(dcp_state._get_optim_state_dict)
+    model = torch.nn.Linear(3, 2)
+    options = dcp_state.StateDictOptions(flatten_optimizer_state_dict=True)
+    ours, theirs = torch.optim.Adam(model.parameters()), torch.optim.Adam(model.parameters())
+    before = optimizer_state_dict(model, ours, options)
+    assert not [k for k in before if k.startswith("state.")] and not ours.state
+    dcp_state.get_optimizer_state_dict(model, theirs, options=options)
+    assert float(theirs.state[model.weight]["step"]) == 1.0  # what the step of theirs did
+    model(torch.randn(4, 3)).sum().backward()
+    ours.step()
+    stepped = optimizer_state_dict(model, ours, options)
+    assert float(stepped["state.weight.step"]) == 1.0 and stepped["state.weight.exp_avg"].abs().sum() > 0

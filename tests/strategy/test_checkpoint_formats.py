@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,3 +184,45 @@ def test_positions_not_provable_are_refused(tmp_path: Path, one_thread: None) ->
     assert "a plain (single-device or DDP) Trainer cannot" in warned[0]
     for r in results:
         assert r["kind"] == "by name" and r["err"] <= TOL, r
+
+
+class TinyAdam(TinyPipelined):
+    """Adam, whose state a checkpoint taken before its first step must leave uncreated (its step counts)."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def early_save_worker(rank: int, world_size: int, folder: str, save: bool, sharded: bool) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from lightning_gpipe.strategy import GPipeStrategy
+
+    warnings.simplefilter("ignore")
+
+    class SaveAtStart(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if save:
+                trainer.save_checkpoint(Path(folder) / "start.ckpt")
+
+    strategy = GPipeStrategy(chunks=2, pipeline_parallel_size=2, save_distributed_checkpoint=sharded)
+    trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=3, callbacks=[SaveAtStart()])
+    module = TinyAdam(tied=True)  # a weight on the first and the last stage, as the LLM example's embedding
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    return {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_checkpoint_before_the_first_step_changes_nothing(tmp_path: Path, one_thread: None, sharded: bool) -> None:
+    """torch's get_optimizer_state_dict steps an optimizer that has no state yet to make one (zero gradients, lr 0):
+    Adam's step counts then began at 1, and every later update of the run changed (2e-3 after 3 steps here)."""
+    saved = run_distributed(early_save_worker, 2, str(tmp_path), True, sharded, timeout=180, lightning=True)
+    straight = run_distributed(early_save_worker, 2, str(tmp_path), False, sharded, timeout=180, lightning=True)
+    for rank in range(2):
+        assert saved[rank].keys() == straight[rank].keys()
+        for name in saved[rank]:
+            assert (saved[rank][name] == straight[rank][name]).all(), (rank, name)
+    if not sharded:  # as a plain Trainer writes it before its first step: no state
+        state = torch.load(tmp_path / "start.ckpt", weights_only=False)["optimizer_states"][0]
+        assert state["state"] == {}, state["state"]
