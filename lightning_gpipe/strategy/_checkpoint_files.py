@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -38,11 +39,15 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 MODEL_STATES = ("state_dict", "current_model_state")
 
 
-def local_state(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    """This rank's model and optimizer states, under global names."""
+def local_state(model: nn.Module, optimizers: list[torch.optim.Optimizer], to_load: bool = False) -> dict[str, Any]:
+    """This rank's model and optimizer states, under global names. ``to_load``: a template to load into, so an
+    optimizer that has not stepped yet gets its state tensors made (torch's zero step); saved, it stays as it is."""
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
-        state[f"optimizer_{i}"] = optimizer_state_dict(model, optimizer, _FLAT)
+        if to_load:
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        else:
+            state[f"optimizer_{i}"] = optimizer_state_dict(model, optimizer, _FLAT)
     return state
 
 
@@ -202,7 +207,7 @@ def load(path: Path, model: nn.Module, optimizers: list, strict: bool, order: li
         where = "" if len(seen) == len(problems) else f" (seen from ranks {seen}: give every rank the same files)"
         raise FileNotFoundError(f"{problems[seen[0]]}{where}")
     layouts = _gather([optimizer_format.layout(model, optimizer) for optimizer in optimizers])
-    state = local_state(model, optimizers)  # the keys this rank needs, and tensors to load into
+    state = local_state(model, optimizers, to_load=True)  # the keys this rank needs, and tensors to load into
     plain: dict[int, dict[str, Any]] = {}
     if is_sharded(path):
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata

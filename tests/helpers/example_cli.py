@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import root_on_path
+from tests.helpers import ROOT, root_on_path
 
 
 def example_of(config: Path) -> str:
@@ -23,4 +23,13 @@ def cli(
     if not as_the_readme:
         env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", f"examples.{example_of(config)}", "fit", "--config", str(config), *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def verify(example: str, *args: str, cwd: Path, timeout: float, steps: int = 3) -> subprocess.CompletedProcess:
+    """``python -m lightning_gpipe.verify --steps N examples.<example> fit --config <its cpu.yaml> args``."""
+    config = ROOT / "examples" / example / "configs" / "cpu.yaml"
+    env = {**root_on_path(), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lightning_gpipe.verify", "--steps", str(steps), f"examples.{example}", "fit"]
+    command += ["--config", str(config), *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

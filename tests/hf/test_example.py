@@ -42,3 +42,14 @@ def test_cpu_config_runs_fast_dev_run(config: Path, tmp_path: Path) -> None:
     run = cli(config, *args, cwd=tmp_path, timeout=280, as_the_readme=True)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "fast_dev_run" in run.stdout + run.stderr
+
+
+@pytest.mark.timeout(200)
+def test_verify_calls_the_example_the_same_run(tmp_path: Path) -> None:
+    """``python -m lightning_gpipe.verify`` on the example's CPU configuration (its head tied to the embedding across
+    the stages, AdamW): float64, every parameter within 1e-9 of the plain run's after 3 steps."""
+    from tests.helpers.example_cli import verify
+
+    run = verify("llm", cwd=tmp_path, timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "verdict: same run" in run.stdout, run.stdout[-3000:]
