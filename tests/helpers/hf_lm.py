@@ -77,9 +77,9 @@ def config(family: str, dropout: float = 0.0, **overrides: Any) -> Any:
     })  # fmt: skip
 
 
-def batches(steps: int, seed: int = 0) -> list[Batch]:
-    """One right-padded batch per step, each of another length: ``attention_mask`` has zeros, ``labels`` -100 there
-    (every sample keeps at least 2 tokens, so every micro-batch has labels)."""
+def batches(steps: int, seed: int = 0, left: bool = False) -> list[Batch]:
+    """One right-padded (``left``: left-padded) batch per step, each of another length: ``attention_mask`` has zeros,
+    ``labels`` -100 there (every sample keeps at least 2 tokens, so every micro-batch has labels)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for step in range(steps):
@@ -87,6 +87,8 @@ def batches(steps: int, seed: int = 0) -> list[Batch]:
         ids = torch.randint(3, VOCAB, (BATCH, length), generator=g)
         lengths = torch.randint(2, length + 1, (BATCH,), generator=g)
         mask = (torch.arange(length)[None] < lengths[:, None]).long()
+        if left:
+            mask = mask.flip(1)
         ids = ids.masked_fill(mask == 0, 0)
         out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return out

@@ -35,6 +35,7 @@ def pipelined_worker(
     chunks: int = 4,
     schedule: str = "gpipe",
     data_parallel: str = "ddp",
+    left: bool = False,
 ) -> float:
     from lightning_gpipe import GPipeStrategy
 
@@ -44,7 +45,7 @@ def pipelined_worker(
         chunks=chunks, pipeline_parallel_size=pp, schedule=schedule, virtual_stages=v, data_parallel=data_parallel
     )
     trainer = quiet_trainer(devices=world_size, strategy=strategy, max_steps=steps, precision="64-true")
-    data = batches(steps * (world_size // pp))
+    data = batches(steps * (world_size // pp), left=left)
     trainer.fit(PipelinedLM(folder, save_to), DataLoader(data, batch_size=None))
     return float(trainer.callback_metrics["train_loss"])
 
@@ -56,8 +57,8 @@ class PairedPlainLM(PlainLM):
         return sum(super(PairedPlainLM, self).training_step(b, batch_idx) for b in batch) / len(batch)
 
 
-def plain_run(folder: Path, steps: int, replicas: int = 1) -> Any:
-    items = batches(steps * replicas)
+def plain_run(folder: Path, steps: int, replicas: int = 1, left: bool = False) -> Any:
+    items = batches(steps * replicas, left=left)
     # The pipelined run's order: Lightning shards a training loader over the replicas with a shuffling
     # DistributedSampler (seed 0, epoch 0); at step s replica d takes the s-th item of its share.
     shares = [list(DistributedSampler(items, replicas, d, shuffle=True, seed=0)) for d in range(replicas)]
@@ -156,3 +157,15 @@ def test_dropout_k2_equals_k1(schedule: str, tmp_path: Path) -> None:
     start = torch_initial(tmp_path / "pretrained")
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
     assert max((one[k] - two[k]).abs().max().item() for k in one) <= TOL
+
+
+@pytest.mark.timeout(200)
+def test_k2_left_padded_equals_the_plain_hf_model(tmp_path: Path) -> None:
+    """Llama at K = 2, M = 4 on left-padded batches (as for generation): each sample's padding first, its positions
+    0 … T − 1 as HF counts them without position_ids."""
+    assert all((b["attention_mask"][:, 0] == 0).any() for b in batches(STEPS, left=True))  # padding first
+    save_model("llama", tmp_path / "pretrained")
+    folder, out = str(tmp_path / "pretrained"), str(tmp_path / "out")
+    run_distributed(pipelined_worker, 2, folder, out, 2, STEPS, 4, "gpipe", "ddp", True, timeout=180, lightning=True)
+    errors = compare(tmp_path / "out", plain_run(tmp_path / "pretrained", STEPS, left=True))
+    assert max(errors.values()) <= TOL, errors
