@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+
+from lightning_gpipe.hf._router import RoutedLogits, Routers, record, router_loss, routers
 
 INSTALL = 'pip install "lightning-gpipe[hf]"'
 GUIDE = 'docs/guide.md, "Pipelining a HuggingFace model"'
@@ -52,6 +55,12 @@ FAMILIES: dict[str, Family] = {
     "hyperclovax": Family(embedding_multiplier=True, logits="multiply_scaling"),
     "gpt2": Family(structure="gpt2"),
 }
+# Their routers' auxiliary loss (config.output_router_logits) is HF's load_balancing_loss_func, exact here (_router.py).
+ROUTER_LOSS = frozenset(
+    """
+    ernie4_5_moe flex_olmo flint gpt_oss granitemoe granitemoeshared jetmoe mixtral olmoe phimoe qwen2_moe qwen3_moe
+""".split()
+)  # noqa: SIM905
 # Tried and refused, with the reason (what differs from the layouts above; other model_types were not tried).
 _NOT_LLAMA = "its final norm (or embedding, or layer list) is not where the Llama layout has it"
 _STATE = "its recurrent (linear-attention or Mamba) layers take masks and caches the model builds its own way"
@@ -70,7 +79,7 @@ REFUSED: dict[str, str] = {
 # What crosses every boundary: the hidden states, the 2-d attention mask and the positions (small integer tensors).
 # The 4-d mask and the rotary embeddings are computed from them on each stage (once per micro-batch), not sent:
 # they cost little to compute and, for the mask, T² per sample to send.
-Carried = tuple[Tensor, Tensor, Tensor]
+Carried = tuple[Tensor, ...]  # and, with the routers' auxiliary loss, each sample's routing sums (_router.py)
 
 
 def require_transformers() -> Any:
@@ -142,10 +151,13 @@ def _call_mask(fn: Callable[..., Any], config: Any, hidden: Tensor, mask: Tensor
 
 
 class HFLayer(nn.Module):
-    """Base of the backbone's layers: ``hf_names`` maps each child's name to its module's name in the HF model."""
+    """Base of the backbone's layers: ``hf_names`` maps each child's name to its module's name in the HF model;
+    ``conversions``: how HF's save_pretrained renames and splits the model's tensors (its checkpoint conversion: a
+    mixture of experts saved one tensor per expert), for load_pretrained to read such a folder."""
 
     hf_names: dict[str, str]
     config: Any
+    conversions: list[Any] = []  # noqa: RUF012 (set per backbone, never changed in place)
 
 
 class CausalLMInput(HFLayer):
@@ -159,12 +171,14 @@ class CausalLMInput(HFLayer):
         modules: Mapping[str, nn.Module],
         hf_names: dict[str, str],
         multiplier: float | None = None,
+        routers: Routers | None = None,
     ) -> None:
         super().__init__()
         for name, module in modules.items():
             self.add_module(name, module)
         self.config, self.family, self.hf_names = config, family, hf_names
         self.multiplier = multiplier  # Granite's embedding_multiplier, as its base model applies it
+        self.routers = routers  # with the routers' auxiliary loss: the per-sample routing sums start here
 
     def forward(self, batch: Tensor | Mapping[str, Tensor]) -> Carried:
         ids = batch if isinstance(batch, Tensor) else batch["input_ids"]
@@ -181,6 +195,8 @@ class CausalLMInput(HFLayer):
             hidden = part("embed_tokens")(ids)
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
+        if self.routers is not None:
+            return hidden, mask, positions, self.routers.start(ids.shape[0], ids.device)
         return hidden, mask, positions
 
 
@@ -189,23 +205,35 @@ class CausalLMDecoderLayer(HFLayer):
 
     per_micro_batch: _PerMicroBatch
 
-    def __init__(self, layer: nn.Module, index: int, per_micro_batch: _PerMicroBatch, family: str, prefix: str) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        index: int,
+        per_micro_batch: _PerMicroBatch,
+        family: str,
+        prefix: str,
+        routers: Routers | None = None,
+    ) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.routers = layer, routers
         self.config, self.family, self.hf_names = per_micro_batch.config, family, {"layer": f"{prefix}.{index}"}
         self.mask_kind = _mask_kind(per_micro_batch.config, index, per_micro_batch.family.sliding_by_config)
         self.per_micro_batch = per_micro_batch  # one for every layer of the backbone (not a module: no weights)
 
     def forward(self, x: Carried) -> Carried:
-        hidden, mask, positions = x
+        hidden, mask, positions, *routing = x
         shared = self.per_micro_batch.get(hidden, mask, positions)
         causal = shared.mask(self.mask_kind, hidden, mask, positions)
-        if self.family == "gpt2":
-            out = self.layer(hidden, attention_mask=causal, position_ids=positions)
-        else:
-            rope = shared.position_embeddings(hidden, positions, self.mask_kind)
-            out = self.layer(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)
-        return (out[0] if isinstance(out, tuple) else out), mask, positions
+        with self.routers.capture(self.layer) if self.routers else contextlib.nullcontext([]) as captured:
+            if self.family == "gpt2":
+                out = self.layer(hidden, attention_mask=causal, position_ids=positions)
+            else:
+                rope = shared.position_embeddings(hidden, positions, self.mask_kind)
+                out = self.layer(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)
+        hidden = out[0] if isinstance(out, tuple) else out
+        if self.routers is None:
+            return hidden, mask, positions
+        return hidden, mask, positions, routing[0] + self.routers.sums(captured, mask)
 
 
 class CausalLMHead(HFLayer):
@@ -219,16 +247,23 @@ class CausalLMHead(HFLayer):
         hf_names: dict[str, str],
         tied_to: str | None,
         logits: Callable[[Tensor], Tensor] | None = None,
+        routers: Routers | None = None,
     ) -> None:
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
         self.config, self.hf_names = config, hf_names
         self.tied_to = tied_to  # the embedding's name in the HF model when the head's weight is it
         self.logits = logits  # what the family's ForCausalLM does to the head's output (Family.logits)
+        self.routers = routers
 
-    def forward(self, x: Carried) -> Tensor:
+    def forward(self, x: Carried) -> Tensor | RoutedLogits:
         logits = self.lm_head(self.norm(x[0]))
-        return logits if self.logits is None else self.logits(logits)
+        logits = logits if self.logits is None else self.logits(logits)
+        if self.routers is None:
+            return logits
+        routing = self.routers.finish(x[3])
+        record(routing, self.training)
+        return RoutedLogits(logits, routing)
 
 
 def _logits(model: nn.Module, config: Any, kind: str | None) -> Callable[[Tensor], Tensor] | None:
@@ -285,12 +320,12 @@ def causal_lm_backbone(model: nn.Module) -> nn.Sequential:
         raise _refuse(model, f"model_type {model_type!r} cannot be split as it is: {REFUSED[model_type]}")
     if model_type not in FAMILIES:
         raise _refuse(model, f"model_type {model_type!r} has not been tried")
-    if getattr(config, "output_router_logits", False):
+    if getattr(config, "output_router_logits", False) and model_type not in ROUTER_LOSS:
         raise _refuse(
             model,
-            "config.output_router_logits is on, so the HF model adds its routers' auxiliary loss, over every layer "
-            "and the whole batch, which the pipeline does not compute yet; set it to False (the loss is then the "
-            "HF model's without it, exactly)",
+            "config.output_router_logits is on, so the HF model adds its routers' auxiliary loss, which the pipeline "
+            f"computes for {', '.join(sorted(ROUTER_LOSS))} only (not tried on {model_type!r}); set it to False (the "
+            "loss is then the HF model's without it, exactly)",
         )
     spec = FAMILIES[model_type]
     family = spec.structure
@@ -308,7 +343,7 @@ def causal_lm_backbone(model: nn.Module) -> nn.Sequential:
         raise _refuse(model, "GPT-2 with cross-attention is an encoder-decoder's decoder, not a causal LM")
     config.architectures = [type(model).__name__]  # what save_pretrained writes, for from_pretrained
     if family == "gpt2":
-        blocks, prefix, rotary = base.h, "transformer.h", None
+        blocks, prefix, rotary, found = base.h, "transformer.h", None, None
         embed = CausalLMInput(
             config,
             family,
@@ -320,25 +355,45 @@ def causal_lm_backbone(model: nn.Module) -> nn.Sequential:
     else:
         blocks, prefix, rotary = base.layers, "model.layers", type(base.rotary_emb)
         multiplier = base.embedding_multiplier if spec.embedding_multiplier else None
-        embed = CausalLMInput(
-            config, family, {"embed_tokens": base.embed_tokens}, {"embed_tokens": "model.embed_tokens"}, multiplier
-        )
+        found = routers(model, base)
+        names = {"embed_tokens": "model.embed_tokens"}
+        embed = CausalLMInput(config, family, {"embed_tokens": base.embed_tokens}, names, multiplier, found)
         tied = "model.embed_tokens.weight" if lm_head.weight is base.embed_tokens.weight else None
         logits = _logits(model, config, spec.logits)
-        head = CausalLMHead(config, base.norm, lm_head, {"norm": "model.norm", "lm_head": "lm_head"}, tied, logits)
+        head_names = {"norm": "model.norm", "lm_head": "lm_head"}
+        head = CausalLMHead(config, base.norm, lm_head, head_names, tied, logits, found)
     shared = _PerMicroBatch(config, rotary, spec)
-    layers = [CausalLMDecoderLayer(b, i, shared, family, prefix) for i, b in enumerate(blocks)]
-    return nn.Sequential(embed, *layers, head)
+    layers = [embed, *(CausalLMDecoderLayer(b, i, shared, family, prefix, found) for i, b in enumerate(blocks)), head]
+    conversions = _conversions(model)
+    for layer in layers:
+        layer.conversions = conversions
+    return nn.Sequential(*layers)
 
 
-def causal_lm_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+def _conversions(model: nn.Module) -> list[Any]:
+    """What HF's save_pretrained reverts before it writes ``model`` (its revert_weight_conversion, for a model not
+    loaded by from_pretrained): renames and per-expert splits of the fused tensors."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    mapping = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+    return [c for c in mapping if not isinstance(c, PrefixChange)]
+
+
+def causal_lm_loss(logits: Tensor | RoutedLogits, labels: Tensor, ignore_index: int = -100) -> Tensor:
     """The next-token cross-entropy averaged over the labels that are not ``ignore_index``, as HF's causal LMs
-    compute it (labels shifted left inside), in at least float32 (HF's casts float64 logits down to float32)."""
+    compute it (labels shifted left inside), in at least float32 (HF's casts float64 logits down to float32); on a
+    :class:`RoutedLogits` output plus the routers' auxiliary loss times its coefficient, as the HF model adds it."""
+    output = logits
+    if isinstance(output, RoutedLogits):
+        logits = output.logits
+    assert isinstance(logits, Tensor)
     shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    return nn.functional.cross_entropy(
+    loss = nn.functional.cross_entropy(
         logits.flatten(0, -2).to(dtype), shifted.flatten().to(logits.device), ignore_index=ignore_index
     )
+    return router_loss(output.routing, loss) if isinstance(output, RoutedLogits) else loss
 
 
 def causal_lm_tokens(labels: Tensor, ignore_index: int = -100) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -147,7 +148,9 @@ def _read_exactly(f: Any, into: Any) -> None:
 def load_pretrained(backbone: nn.Module, folder: str | Path) -> None:
     """Copy the weights of the HF folder (``model.safetensors``, or shards with ``model.safetensors.index.json``)
     into ``backbone``, reading only the tensors this rank holds (under GPipeStrategy, its stage's), each straight into
-    its parameter. Call it after setup (``on_fit_start``), on every rank."""
+    its parameter. Tensors HF's save_pretrained writes under other names or split (a mixture of experts, one tensor
+    per expert) are read as ``from_pretrained`` converts them. Call it after setup (``on_fit_start``), on every
+    rank."""
     folder = Path(folder)
     if (folder / INDEX).is_file():
         weight_map: dict[str, str] = json.loads((folder / INDEX).read_text())["weight_map"]
@@ -159,31 +162,64 @@ def load_pretrained(backbone: nn.Module, folder: str | Path) -> None:
             "checkpoint: load it once with from_pretrained and save_pretrained it)"
         )
     files: dict[str, _SafetensorsFile] = {}
+
+    def file(name: str) -> _SafetensorsFile:
+        if weight_map[name] not in files:
+            files[weight_map[name]] = _SafetensorsFile(folder / weight_map[name])
+        return files[weight_map[name]]
+
     missing = []
     for layer in _layers(backbone):
+        converted: dict[str, Tensor] = {}
         for key, tensor in layer.state_dict(keep_vars=True).items():
             child, _, rest = key.partition(".")
             name = f"{layer.hf_names[child]}.{rest}"
             source = _source(name, weight_map, layer)
             if source is None:
+                converted[name] = tensor
+            else:
+                _read(file(source), source, tensor)
+        for name, tensor in converted.items():
+            parts = _saved_parts(layer, name, tensor)
+            if not parts or any(part not in weight_map for part in parts):
                 missing.append(name)
                 continue
-            file = weight_map[source]
-            if file not in files:
-                files[file] = _SafetensorsFile(folder / file)
-            _read(files[file], source, tensor)
+            whole = torch.empty(tensor.shape, dtype=tensor.dtype)
+            for part, where in parts.items():  # each saved tensor's elements, where they go in the model's
+                piece = torch.empty(where.shape, dtype=tensor.dtype)
+                file(part).read_into(part, piece)
+                whole.view(-1)[where.reshape(-1)] = piece.reshape(-1)
+            _copy(whole, tensor)
     if missing:
-        per_expert = any(".experts." in name for name in missing) and any(".experts.0." in n for n in weight_map)
-        why = (
-            "HF saves a mixture of experts one tensor per expert and fuses them as it loads (its checkpoint "
-            "conversion), which load_pretrained does not do yet: load such a folder with from_pretrained"
-            if per_expert
-            else "it was saved from another model than the config this backbone was built from"
-        )
         raise KeyError(
             f"{folder} lacks {len(missing)} of this rank's weights ({', '.join(missing[:5])}"
-            f"{' …' if len(missing) > 5 else ''}): {why}"
+            f"{' …' if len(missing) > 5 else ''}), under the model's names or those HF's save_pretrained converts "
+            "them to: it was saved from another model than the config this backbone was built from"
         )
+
+
+def _saved_parts(layer: HFLayer, name: str, tensor: Tensor) -> dict[str, Tensor]:
+    """The names HF's save_pretrained writes the model's tensor ``name`` under (its revert_weight_conversion: a
+    rename, or one tensor per expert), each with the positions of its elements in ``tensor``; {} if it converts none.
+    The positions come from converting a tensor of positions the same way (8 bytes per element, once)."""
+    if not layer.conversions:
+        return {}
+    from transformers.core_model_loading import revert_weight_conversion
+
+    stand_in = SimpleNamespace(_weight_conversions=layer.conversions, config=layer.config)
+    positions = torch.arange(tensor.numel()).reshape(tensor.shape)
+    parts = revert_weight_conversion(stand_in, {name: positions})  # type: ignore[arg-type]
+    return {} if list(parts) == [name] else parts
+
+
+def _copy(whole: Tensor, tensor: Tensor) -> None:
+    """``whole`` into ``tensor``; into a shard, its part (which every replica reads)."""
+    with torch.no_grad():
+        if isinstance(tensor, DTensor):
+            mine = distribute_tensor(whole.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.to_local().copy_(mine.to_local())
+        else:
+            tensor.copy_(whole)
 
 
 def _whole(t: Tensor) -> Tensor:
@@ -197,9 +233,7 @@ def _read(file: _SafetensorsFile, name: str, tensor: Tensor) -> None:
         return
     whole = torch.empty(tensor.shape, dtype=tensor.dtype)
     file.read_into(name, whole)
-    mine = distribute_tensor(whole.to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None)
-    with torch.no_grad():
-        tensor.to_local().copy_(mine.to_local())
+    _copy(whole, tensor)
 
 
 def _source(name: str, weight_map: dict[str, str], layer: HFLayer) -> str | None:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe._torch_internals import tree_map
+from lightning_gpipe.pipe.context import weighted_loss
 from lightning_gpipe.pipe.dp.grads import PendingReduction
 from lightning_gpipe.pipe.microbatch import batch_size, micro_batch_sizes, split_by_sizes, tensors
 from lightning_gpipe.pipe.run.loss_inside import check_scalar_loss
@@ -287,7 +288,7 @@ class PipelineLoss:
             if check and m < 2:
                 kept.append(tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, y))
             recorder.weight = weights[m]
-            with recorder.recording():
+            with recorder.recording(), weighted_loss(weights[m]):
                 loss = check_scalar_loss(hook(y, *a, **k), "pipeline_loss")
             dtypes.append(loss.dtype)
             if weights[m] == 0.0:  # nothing of the loss in this micro-batch (all padding): 0/0 must not reach .grad
@@ -304,7 +305,8 @@ class PipelineLoss:
                     t.dtype in (torch.float32, torch.float64) for t in tensors(kept[0]) if t.is_floating_point()
                 )
                 arguments = (args, kwargs)
-                check_split_invariance(module, hook, count, kept, arguments, sum(sizes), self.batch_dim, precise)
+                with weighted_loss(None):
+                    check_split_invariance(module, hook, count, kept, arguments, sum(sizes), self.batch_dim, precise)
             return {"loss": math.fsum(host_floats(losses)), "dtype": dtypes[0], "logs": logs, "metrics": increments}
         except Exception as e:  # the other stages wait for this broadcast: they must learn why it failed
             return {"error": f"{type(e).__name__}: {e}"}

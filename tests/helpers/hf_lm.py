@@ -19,6 +19,8 @@ from lightning_gpipe.hf import (
 )
 
 VOCAB, BATCH, LR = 64, 8, 0.01
+# A mixture of experts whose loss adds its routers' auxiliary loss, weighted so that its gradient shows.
+ROUTED = {"output_router_logits": True, "router_aux_loss_coef": 0.3}
 # Mixtures of experts in float64: their grouped kernels take none (what HF saves does not say so).
 EAGER = {"experts_implementation": "eager"}
 Batch = dict[str, Tensor]
@@ -47,9 +49,10 @@ def small_config(model_type: str, dropout: float = 0.0, **overrides: Any) -> Any
         if hasattr(cfg, name):
             with contextlib.suppress(AttributeError):  # a value the config derives (a property without a setter)
                 setattr(cfg, name, value)
-    if getattr(cfg, "layer_types", None):
-        with contextlib.suppress(AttributeError):
-            cfg.layer_types = [cfg.layer_types[i % len(cfg.layer_types)] for i in range(cfg.num_hidden_layers)]
+    for name in ("layer_types", "mlp_layer_types"):  # one entry per layer, which saving the config checks
+        if kinds := getattr(cfg, name, None):
+            with contextlib.suppress(AttributeError):
+                setattr(cfg, name, [kinds[i % len(kinds)] for i in range(cfg.num_hidden_layers)])
     cfg._experts_implementation = "eager"  # the grouped kernels of mixtures of experts take no float64
     return cfg
 
@@ -94,12 +97,13 @@ def batches(steps: int, seed: int = 0, left: bool = False) -> list[Batch]:
     return out
 
 
-def save_model(family: str, folder: Path, seed: int = 0, dropout: float = 0.0) -> None:
-    """A freshly initialized model of ``family`` as a pretrained folder, as HF writes it."""
+def save_model(family: str, folder: Path, seed: int = 0, dropout: float = 0.0, **overrides: Any) -> None:
+    """A freshly initialized model of ``family`` as a pretrained folder, as HF writes it (a mixture of experts one
+    tensor per expert)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config(family, dropout)).double().save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config(family, dropout, **overrides)).double().save_pretrained(folder)
 
 
 class PipelinedLM(pl.LightningModule):
@@ -155,8 +159,11 @@ class PlainLM(pl.LightningModule):
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, **EAGER)
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return causal_lm_loss(logits, batch["labels"])  # HF's own loss, without its cast of float64 to float32
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        loss = causal_lm_loss(out.logits, batch["labels"])  # HF's own loss, without its cast of float64 to float32
+        if getattr(out, "aux_loss", None) is not None:  # the routers' auxiliary loss, as HF's ForCausalLM adds it
+            loss = loss + self.model.router_aux_loss_coef * out.aux_loss
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from lightning_gpipe.hf import causal_lm_backbone, causal_lm_loss
-from lightning_gpipe.hf._backbone import FAMILIES, REFUSED
-from tests.helpers.hf_lm import VOCAB, small_config
+from lightning_gpipe.hf._backbone import FAMILIES, REFUSED, ROUTER_LOSS
+from tests.helpers.hf_lm import ROUTED, VOCAB, small_config
 
 transformers = pytest.importorskip(
     "transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'"
@@ -87,11 +87,80 @@ def test_every_other_family_tried_is_refused_with_its_reason(model_type: str) ->
     assert REFUSED[model_type] in str(caught.value)
 
 
-def test_routers_auxiliary_loss_is_refused_until_it_is_pipelined() -> None:
-    model = tiny("mixtral", device="meta")
+@pytest.mark.parametrize("model_type", sorted(ROUTER_LOSS))
+def test_the_routers_auxiliary_loss_is_the_hf_models(model_type: str) -> None:
+    """With ``output_router_logits`` each mixture of experts adds its load-balancing loss (coefficient 0.3, so that its
+    gradient shows) as its ForCausalLM does: the loss, and every parameter's gradient, on a padded batch."""
+    torch.manual_seed(0)
+    cfg = small_config(model_type, **ROUTED, aux_loss_coef=0.3)  # JetMoE names it aux_loss_coef; Flint: 4 layers
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    backbone = causal_lm_backbone(model)
+    data = batch()
+    out = plain(input_ids=data["input_ids"], attention_mask=data["attention_mask"])
+    coef = getattr(plain, "router_aux_loss_coef", None) or plain.aux_loss_coef
+    want = causal_lm_loss(out.logits, data["labels"]) + coef * out.aux_loss
+    got = causal_lm_loss(backbone(data), data["labels"])
+    # The float32 sums of the router probabilities are taken per sample here, over the whole batch in HF's.
+    assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
+    want.backward()
+    got.backward()
+    mine = dict(model.named_parameters())
+    routers = [n for n, p in plain.named_parameters() if p.grad is not None and ("gate" in n or "router" in n)]
+    assert routers, "the routers' weights get a gradient"
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            assert rel(mine[name].grad, p.grad) <= 1e-10, (name, rel(mine[name].grad, p.grad))
+
+
+def test_a_routers_auxiliary_loss_not_tried_is_refused() -> None:
+    model = tiny("doge", device="meta")
     model.config.output_router_logits = True
-    with pytest.raises(ValueError, match=r"output_router_logits is on.*set it to False"):
+    with pytest.raises(ValueError, match=r"output_router_logits is on.*not tried on 'doge'.*set it to False"):
         causal_lm_backbone(model)
+
+
+def test_the_routers_auxiliary_loss_needs_every_forward_before_a_loss() -> None:
+    """Inside the pipeline one micro-batch's loss needs the whole batch's routing: a loss before every forward ran (any
+    schedule but "fill-drain" with the loss inside) names the way out; so does a micro-batch the loss weights 0 whose
+    tokens the routers route."""
+    from lightning_gpipe.hf._router import RECORDS
+    from lightning_gpipe.pipe.context import MicroBatchInfo, new_step, running, weighted_loss
+
+    torch.manual_seed(0)
+    cfg = small_config("mixtral", num_hidden_layers=2, **ROUTED)
+    backbone = causal_lm_backbone(transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float64))
+    data, step = batch(), new_step()
+    with running(MicroBatchInfo(step, 0, 2)):
+        out = backbone(data)  # micro-batch 0 of 2 recorded; 1 not yet
+    with running(MicroBatchInfo(step, 0, 2)), weighted_loss(0.5):
+        with pytest.raises(RuntimeError, match=r"all 2 micro-batches.*forward of 1.*schedule='fill-drain'"):
+            causal_lm_loss(out, data["labels"])
+    with running(MicroBatchInfo(step, 1, 2)):
+        backbone(data)
+    with running(MicroBatchInfo(step, 0, 2)), weighted_loss(0.0):
+        with pytest.raises(ValueError, match=r"no token the loss counts.*but has tokens the routers route"):
+            causal_lm_loss(out, data["labels"])
+    assert sorted(RECORDS.parts) == [0, 1]
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_load_pretrained_reads_what_hf_saves(model_type: str, tmp_path: Path) -> None:
+    """HF's save_pretrained renames some tensors and writes a mixture of experts one tensor per expert (its checkpoint
+    conversion, reverted); load_pretrained reads each family's folder into another backbone as from_pretrained would."""
+    from lightning_gpipe.hf import load_pretrained, named_hf_tensors
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip(f"model_type {model_type!r} is not in transformers {transformers.__version__}")
+    saved = tiny(model_type)
+    saved.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    other = transformers.AutoModelForCausalLM.from_config(saved.config, torch_dtype=torch.float64)
+    backbone = causal_lm_backbone(other)
+    want = saved.state_dict()
+    assert any((t - want[n]).abs().max() > 0 for n, t in named_hf_tensors(backbone))
+    load_pretrained(backbone, tmp_path)
+    assert all(torch.equal(t, want[n]) for n, t in named_hf_tensors(backbone))
 
 
 def test_the_guides_table_lists_every_family_tried() -> None:
@@ -102,12 +171,3 @@ def test_the_guides_table_lists_every_family_tried() -> None:
     named = [n.strip() for row in rows for n in row.split("|")[1].replace("refused:", "").split(",")]
     assert sorted(named) == sorted({*FAMILIES, *REFUSED})
     assert f"with no adapters to write: {len(FAMILIES)} families" in text
-
-
-def test_a_mixture_of_experts_saved_by_hf_says_why_load_pretrained_cannot_read_it(tmp_path: Path) -> None:
-    """HF writes one tensor per expert and fuses them as it loads; load_pretrained names that, not a wrong model."""
-    from lightning_gpipe.hf import load_pretrained
-
-    tiny("mixtral").save_pretrained(tmp_path)
-    with pytest.raises(KeyError, match=r"one tensor per expert.*load such a folder with from_pretrained"):
-        load_pretrained(causal_lm_backbone(tiny("mixtral")), tmp_path)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.helpers.hf_lm import EAGER, PipelinedLM, PlainLM, batches, save_model
+from tests.helpers.hf_lm import EAGER, ROUTED, PipelinedLM, PlainLM, batches, save_model
 from tests.helpers.launch import quiet_trainer, run_distributed
 
 pytest.importorskip("transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'")
@@ -168,4 +168,20 @@ def test_k2_left_padded_equals_the_plain_hf_model(tmp_path: Path) -> None:
     folder, out = str(tmp_path / "pretrained"), str(tmp_path / "out")
     run_distributed(pipelined_worker, 2, folder, out, 2, STEPS, 4, "gpipe", "ddp", True, timeout=180, lightning=True)
     errors = compare(tmp_path / "out", plain_run(tmp_path / "pretrained", STEPS, left=True))
+    assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_with_its_routers_auxiliary_loss_equals_the_plain_hf_model(
+    family: str, tmp_path: Path
+) -> None:
+    """K = 2, M = 4 under "fill-drain" (every forward before the first loss): the routers' load-balancing loss, a
+    product of two means over the whole batch and every layer (coefficient 0.3), from a folder HF saved one tensor per
+    expert, back out fused."""
+    save_model(family, tmp_path / "pretrained", **ROUTED)
+    out = str(tmp_path / "out")
+    folder = str(tmp_path / "pretrained")
+    run_distributed(pipelined_worker, 2, folder, out, 2, STEPS, 4, "fill-drain", timeout=180, lightning=True)
+    errors = compare(tmp_path / "out", plain_run(tmp_path / "pretrained", STEPS))
     assert max(errors.values()) <= TOL, errors

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe.comm.links import Links, check_header
+from lightning_gpipe.pipe.context import MicroBatchInfo, running
 from lightning_gpipe.pipe.microbatch import (
     differentiable,
     tensors,
@@ -182,7 +183,9 @@ class Executor:
         split = weights.deferring(m) if weights is not None and defer else contextlib.nullcontext()
         skips_in = self.peers().receive_skips(m, self.skips, self.chunk) if self.skips and self.skips.receives else {}
         self.poll()
-        with self.timeline.record("forward", m, chunk=self.chunk), deferred_statistics(), graph, split:
+        step.M = M
+        info = MicroBatchInfo(step.key, m, M)
+        with self.timeline.record("forward", m, chunk=self.chunk), deferred_statistics(), graph, split, running(info):
             y, skips_out = self.run_with_skips(x, mix(step.seed, m), skips_in)
         self.poll()  # a header that came during the compute: its tensors' receives before this wait for them
         stateful.learn(before)
@@ -231,8 +234,10 @@ class Executor:
         }
         y, skips_out = mb.output, mb.skips_out
         self.poll()
+        info = MicroBatchInfo(step.key, m, step.M)
         if mb.state is not None:
             with (
+                running(info),
                 self.timeline.record("recompute", m, chunk=c),
                 mb.state.restore(),
                 self.stateful_buffers.replay(mb.buffers),
@@ -247,7 +252,8 @@ class Executor:
             check_header(fields, m, self.index + 1, self.index, "output gradient")
             pairs = marked_pairs(y, mb.marks, grads)
         else:
-            pairs = roots(y, mb.marks)
+            with running(info):
+                pairs = roots(y, mb.marks)
         for dst, skip_pending in skip_grads.items():
             with self.timeline.record("recv-wait", m, label="skip gradient", chunk=c):
                 grads, fields = skip_pending.wait()

@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from lightning_gpipe.pipe.comm.transport import TensorMeta
+from lightning_gpipe.pipe.context import new_step
 from lightning_gpipe.pipe.state.rematerialize import ForwardState
 
 
@@ -33,6 +34,8 @@ class Step:
     output: Any = None  # last stage: the joined output, whose leaves collect the caller's gradient
     sizes: list[int] = field(default_factory=list)  # n of each micro-batch, stage 0's split
     seed: int = 0  # the phase's step seed (stage 0's): micro-batch m's layers draw from mix(seed, m)
+    key: int = field(default_factory=new_step)  # pipe.context's number of this step
+    M: int = 0  # micro-batches in the step, once the first forward knows
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,16 @@ batch between the phases. 1F1B keeps at most K − k micro-batches' activations 
 with sends that wait for their receive, GPipe's middle ranks cannot run ahead of the last one: on one downstream
 communicator a rank's receive from rank k − 1 queues behind its send to rank k + 1 (``simulate``, ``nccl=True``).
 
+A loss that needs every micro-batch's forward (a mixture of experts' load-balancing loss: a product of two means over
+the whole batch) runs under GPipe's order on the last rank too, which then holds M micro-batches; as long:
+
+    "fill-drain"
+     t |  0  1  2  3  4  5  6  7  8  9 10 11
+    r0 | F0 F1 F2 F3  .  .  .  . B0 B1 B2 B3
+    r1 |  . F0 F1 F2 F3  .  . B0 B1 B2 B3
+    r2 |  .  . F0 F1 F2 F3 B0 B1 B2 B3
+    peak live per rank: 4, 4, 4
+
 ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"; torch's ZB1P with one chunk per rank): 1F1B's order with
 B split, rank k deferring its W's by k backwards, which then fill the cool-down. With I = W = 1 it takes
 3M + K − 1 units where 1F1B (B = 2) takes 3(M + K − 1); every rank holds min(M, K), 1F1B's rank 0 peak:
@@ -53,7 +63,7 @@ if TYPE_CHECKING:  # the registry and the simulator need no torch
     from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
 # The registered schedules' names (SCHEDULES below holds one spec each).
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+ScheduleName = Literal["gpipe", "fill-drain", "1f1b", "interleaved-1f1b", "zb-h1"]
 
 Kind = Literal["F", "B", "I", "W"]
 
@@ -112,6 +122,13 @@ def gpipe(K: int, M: int, v: int) -> list[list[Action]]:
     last = [a for m in range(M) for a in (Action("F", m), Action("B", m))]
     fill_drain = [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
     return [last if k == K - 1 else list(fill_drain) for k in range(K)]
+
+
+def fill_drain(K: int, M: int, v: int) -> list[list[Action]]:
+    """GPipe's order on every rank, the last one too: every forward before the first loss (r2 above runs F0 … F3,
+    then B0 … B3), for a loss that needs the forward of the whole batch (a mixture of experts' load-balancing loss,
+    ``lightning_gpipe.hf``). The last stage keeps its M micro-batches until their backward."""
+    return [[Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)] for _ in range(K)]
 
 
 def one_f_one_b(K: int, M: int, v: int) -> list[list[Action]]:
@@ -181,6 +198,7 @@ SCHEDULES: dict[ScheduleName, ScheduleSpec] = {
     s.name: s
     for s in (
         ScheduleSpec("gpipe", gpipe, "fill/drain: every forward, then every backward (M in flight)"),
+        ScheduleSpec("fill-drain", fill_drain, "GPipe's order on the last stage too: every forward before any loss"),
         ScheduleSpec("1f1b", one_f_one_b, "one forward, one backward: at most K − k in flight on rank k"),
         ScheduleSpec(
             "interleaved-1f1b",
