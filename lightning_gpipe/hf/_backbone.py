@@ -56,11 +56,8 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family(structure="gpt2"),
 }
 # Their routers' auxiliary loss (config.output_router_logits) is HF's load_balancing_loss_func, exact here (_router.py).
-ROUTER_LOSS = frozenset(
-    """
-    ernie4_5_moe flex_olmo flint gpt_oss granitemoe granitemoeshared jetmoe mixtral olmoe phimoe qwen2_moe qwen3_moe
-""".split()
-)  # noqa: SIM905
+_ROUTED = "ernie4_5_moe flex_olmo flint gpt_oss granitemoe granitemoeshared jetmoe mixtral olmoe phimoe qwen2_moe"
+ROUTER_LOSS = frozenset([*_ROUTED.split(), "qwen3_moe"])
 # Tried and refused, with the reason (what differs from the layouts above; other model_types were not tried).
 _NOT_LLAMA = "its final norm (or embedding, or layer list) is not where the Llama layout has it"
 _STATE = "its recurrent (linear-attention or Mamba) layers take masks and caches the model builds its own way"

@@ -124,7 +124,7 @@ class PipelinedLM(pl.LightningModule):
         self.backbone = causal_lm_backbone(AutoModelForCausalLM.from_config(cfg))
 
     def on_fit_start(self) -> None:
-        if self.folder is not None:
+        if self.folder is not None and self.trainer.ckpt_path is None:  # a resumed fit has its weights
             assert self.backbone is not None
             load_pretrained(self.backbone, self.folder)
 
@@ -157,6 +157,16 @@ class PlainLM(pl.LightningModule):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, **EAGER)
+
+    def on_fit_start(self) -> None:
+        # HF computes the rotary frequencies in float32 whatever the model's dtype (from_pretrained(dtype=bfloat16)
+        # keeps them so, as the backbone does); Lightning's bf16-true rounded them with the module's buffers.
+        rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
+        if rotary is not None and rotary.inv_freq.dtype in (torch.bfloat16, torch.float16):
+            fresh = type(rotary)(config=self.model.config)
+            for name in ("inv_freq", "original_inv_freq"):
+                if hasattr(rotary, name):
+                    setattr(rotary, name, getattr(fresh, name).to(rotary.inv_freq.device))
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])

@@ -133,14 +133,14 @@ def test_the_routers_auxiliary_loss_needs_every_forward_before_a_loss() -> None:
     data, step = batch(), new_step()
     with running(MicroBatchInfo(step, 0, 2)):
         out = backbone(data)  # micro-batch 0 of 2 recorded; 1 not yet
-    with running(MicroBatchInfo(step, 0, 2)), weighted_loss(0.5):
-        with pytest.raises(RuntimeError, match=r"all 2 micro-batches.*forward of 1.*schedule='fill-drain'"):
-            causal_lm_loss(out, data["labels"])
+    before_every_forward = pytest.raises(RuntimeError, match=r"all 2 micro-batches.*forward of 1.*'fill-drain'")
+    with running(MicroBatchInfo(step, 0, 2)), weighted_loss(0.5), before_every_forward:
+        causal_lm_loss(out, data["labels"])
     with running(MicroBatchInfo(step, 1, 2)):
         backbone(data)
-    with running(MicroBatchInfo(step, 0, 2)), weighted_loss(0.0):
-        with pytest.raises(ValueError, match=r"no token the loss counts.*but has tokens the routers route"):
-            causal_lm_loss(out, data["labels"])
+    unweighted = pytest.raises(ValueError, match=r"no token the loss counts.*but has tokens the routers route")
+    with running(MicroBatchInfo(step, 0, 2)), weighted_loss(0.0), unweighted:
+        causal_lm_loss(out, data["labels"])
     assert sorted(RECORDS.parts) == [0, 1]
 
 

@@ -57,32 +57,38 @@ class PairedPlainLM(PlainLM):
         return sum(super(PairedPlainLM, self).training_step(b, batch_idx) for b in batch) / len(batch)
 
 
-def plain_run(folder: Path, steps: int, replicas: int = 1, left: bool = False) -> Any:
+def plain_run(folder: Path, steps: int, replicas: int = 1, left: bool = False, precision: str = "64-true") -> Any:
     items = batches(steps * replicas, left=left)
     # The pipelined run's order: Lightning shards a training loader over the replicas with a shuffling
     # DistributedSampler (seed 0, epoch 0); at step s replica d takes the s-th item of its share.
     shares = [list(DistributedSampler(items, replicas, d, shuffle=True, seed=0)) for d in range(replicas)]
     data: list[Any] = [[items[share[s]] for share in shares] for s in range(steps)]
     module = PairedPlainLM(folder)
-    quiet_trainer(max_steps=steps, precision="64-true").fit(
+    quiet_trainer(max_steps=steps, precision=precision).fit(
         module, DataLoader(data, batch_size=None, collate_fn=lambda b: b)
     )
     return module.model
 
 
-def compare(saved: Path, plain: Any) -> dict[str, float]:
-    """Every weight and the logits of ``from_pretrained(saved)`` against the plain run's model."""
+def compare(saved: Path, plain: Any, relative: bool = False, trained_from: Path | None = None) -> dict[str, float]:
+    """Every weight and the logits of ``from_pretrained(saved)`` against the plain run's model (in float64; each
+    relative to the tensor's largest value if ``relative``)."""
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64, **EAGER)
+    plain = plain.double()
     got, want = loaded.state_dict(), plain.state_dict()
     assert set(got) == set(want)
-    errors = {k: (got[k] - want[k]).abs().max().item() for k in want}
+    scale = {k: want[k].abs().max().item() if relative else 1.0 for k in want}
+    errors = {k: (got[k] - want[k]).abs().max().item() / max(scale[k], 1e-30) for k in want}
     batch = batches(1, seed=7)[0]
     with torch.no_grad():
         args = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        errors["logits"] = (loaded.eval()(**args).logits - plain.eval()(**args).logits).abs().max().item()
-    moved = max((want[k] - v).abs().max().item() for k, v in torch_initial(saved.parent / "pretrained").items())
+        want_logits = plain.eval()(**args).logits
+        diff = (loaded.eval()(**args).logits - want_logits).abs().max().item()
+        errors["logits"] = diff / (want_logits.abs().max().item() if relative else 1.0)
+    start = torch_initial(trained_from or saved.parent / "pretrained")
+    moved = max((want[k] - v).abs().max().item() for k, v in start.items())
     assert moved > 1e-3  # the runs trained
     return errors
 
