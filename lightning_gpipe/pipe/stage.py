@@ -386,9 +386,10 @@ class GPipeStage(nn.Module):
         output as soon as it exists and back-propagates the scalar it returns at once (weight it: ``n_m / N`` for a
         mean over samples, see :meth:`micro_batch_sizes`); it returns those scalars, detached, the other stages [].
         ``schedule`` is ``"gpipe"`` (all M micro-batches in flight before the first backward on stages before the
-        last), ``"1f1b"`` (at most K − k on stage k: less activation memory, the same bubble) or ``"zb-h1"`` (1F1B
-        with each backward split: the weight gradients of linear, convolution and embedding ops wait, as
-        ``pipe/run/weight_grad.py`` keeps them, to fill the drain); their times: ``benchmarks/README.md``.
+        last; ``"fill-drain"`` on the last too), ``"1f1b"`` (at most K − k on stage k: less activation memory, the
+        same bubble) or ``"zb-h1"`` (1F1B with each backward split: the weight gradients of linear, convolution and
+        embedding ops wait, as ``pipe/run/weight_grad.py`` keeps them, to fill the drain); their times:
+        ``benchmarks/README.md``.
         ``"interleaved-1f1b"`` needs ``virtual_stages`` ≥ 2 (the others 1): 1F1B over the rank's v virtual stages, the
         bubble divided by v, for more activations in flight; ``chunks`` must suit it (see
         ``pipe/schedule/registry.py``). ``drained`` runs once this stage's gradients are complete, before waiting for

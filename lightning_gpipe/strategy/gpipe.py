@@ -106,7 +106,9 @@ class GPipeStrategy(ParallelStrategy):
             per micro-batch (each backward starts at once); validation and test call it once, on the whole batch's
             output on the last stage (there is no backward to start): for a hook that adds up over micro-batches,
             which training checks, both give the same value.
-        schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (at most
+        schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards; the last stage runs each
+            backward right after its forward), ``"fill-drain"`` (the last stage too runs every forward first: for a
+            loss that needs the whole batch's forward, a mixture of experts' load-balancing loss), ``"1f1b"`` (at most
             K − k micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
             (1F1B with the weight gradients of linear, convolution and embedding layers deferred into the drain: a
             smaller bubble, the same gradients); measured in ``benchmarks/README.md``. ``"interleaved-1f1b"`` with

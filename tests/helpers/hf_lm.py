@@ -63,9 +63,10 @@ def config(family: str, dropout: float = 0.0, **overrides: Any) -> Any:
     from transformers import GPT2Config, LlamaConfig
 
     if family not in ("gpt2", "llama"):
-        # Gemma2: tied, as Gemma's default (one tied head among the others); its window past any row's length, since
-        # its eager attention gives NaN where a padded query has no key left in the window (HF's own forward too).
-        own = {"tie_word_embeddings": True, "sliding_window": 16} if family == "gemma2" else {}
+        # Gemma2 (and VaultGemma): tied, as Gemma's default (one tied head among the others); its window past any
+        # row's length, since its eager attention gives NaN where a padded query has no key left in the window (HF's
+        # own forward too).
+        own = {"tie_word_embeddings": True, "sliding_window": 16} if family in ("gemma2", "vaultgemma") else {}
         return small_config(family, dropout, **{**own, **overrides})
 
     if family == "gpt2":
@@ -162,7 +163,7 @@ class PlainLM(pl.LightningModule):
         # HF computes the rotary frequencies in float32 whatever the model's dtype (from_pretrained(dtype=bfloat16)
         # keeps them so, as the backbone does); Lightning's bf16-true rounded them with the module's buffers.
         rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
-        if rotary is not None and rotary.inv_freq.dtype in (torch.bfloat16, torch.float16):
+        if getattr(getattr(rotary, "inv_freq", None), "dtype", None) in (torch.bfloat16, torch.float16):
             fresh = type(rotary)(config=self.model.config)
             for name in ("inv_freq", "original_inv_freq"):
                 if hasattr(rotary, name):
