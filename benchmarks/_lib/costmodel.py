@@ -57,7 +57,7 @@ from benchmarks._lib.gloo_link import Link
 from lightning_gpipe.pipe import solve
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
-from lightning_gpipe.pipe.schedule.registry import fuse_halves, keeps_graph, lookup
+from lightning_gpipe.pipe.schedule.registry import chunk_of, executed, keeps_graph, lookup, rank_of
 from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm, deferred_statistics
@@ -294,20 +294,20 @@ def predict(
     counts = list(balance) if balance is not None else cut
     if len(counts) != S or sum(counts) != len(lc.forward):
         raise ValueError(f"balance {counts} must split {len(lc.forward)} layers into {S} stages")
-    actions = [fuse_halves(ops) for ops in lookup(schedule).actions(K, M, v)]  # as the executor runs them
+    actions = executed(schedule, K, M, v)  # as the executor runs them
     bounds = [sum(counts[:s]) for s in range(S + 1)]
     corun = lc.corun if K > 1 else 1.0
     table: dict[tuple[int, int], Costs] = {}
+    placement = lookup(schedule).placement
     for s in range(S):
-        r, c = s % K, s // K
+        r, c = rank_of(s, K, placement), chunk_of(s, K, placement)
         split = any(a.kind == "W" for a in actions[r])
         e = (engines or {}).get((bounds[s], bounds[s + 1]), lc.engine * corun)
         layers = range(bounds[s], bounds[s + 1])
         table[r, c] = stage_costs(lc, link, layers, last=s == S - 1, first=s == 0, split=split, e=e)
-    result = simulate(actions, K, v, table, nccl=nccl, checkpoint=checkpoint)
-    update = [
-        corun * sum(lc.update[i] for s in range(r, S, K) for i in range(bounds[s], bounds[s + 1])) for r in range(K)
-    ]
+    result = simulate(actions, K, v, table, nccl=nccl, checkpoint=checkpoint, placement=placement)
+    held = [[s for s in range(S) if rank_of(s, K, placement) == r] for r in range(K)]
+    update = [corun * sum(lc.update[i] for s in held[r] for i in range(bounds[s], bounds[s + 1])) for r in range(K)]
     # Every rank leaves forward_backward at once: its status check is an all-reduce over the stages.
     status = 2 * math.ceil(math.log2(K)) * link.latency
     step = result.makespan + status + max(update)
@@ -323,7 +323,7 @@ def predict(
         result.bubble,
         result.peak,
         sum(r["forward"] + r["recompute"] + r["backward"] + r["update"] for r in ranks),
-        [{"stage": s, **asdict(table[s % K, s // K])} for s in range(S)],
+        [{"stage": s, **asdict(table[rank_of(s, K, placement), chunk_of(s, K, placement)])} for s in range(S)],
         ranks,
     )
 

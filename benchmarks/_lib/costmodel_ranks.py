@@ -18,7 +18,7 @@ from benchmarks._lib.gloo_link import Link
 from benchmarks._lib.machine import MIN_CLEAN, Runner, Timing, pause_until_quiet, timed
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import tree_flatten
-from lightning_gpipe.pipe.schedule.registry import fuse_halves, keeps_graph, lookup
+from lightning_gpipe.pipe.schedule.registry import executed, keeps_graph
 from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
@@ -211,7 +211,7 @@ def replayed(p: Prediction, traced: list[dict[str, Any]], link: Link, checkpoint
     simulator (the order, the waits, the links) apart from the costs measured outside the step."""
     K, v = p.K, p.v
     S = K * v
-    actions = [fuse_halves(ops) for ops in lookup(p.schedule).actions(K, p.M, v)]
+    actions = executed(p.schedule, K, p.M, v)
     table = {}
     for s in range(S):
         r, c = s % K, s // K

@@ -8,7 +8,7 @@ import re
 import pytest
 
 import lightning_gpipe.pipe.schedule.registry as schedules_module
-from lightning_gpipe.pipe.schedule.registry import SCHEDULES, Action, fuse_halves, inputs_ahead, lookup
+from lightning_gpipe.pipe.schedule.registry import SCHEDULES, Action, executed, inputs_ahead, lookup
 from lightning_gpipe.pipe.schedule.simulator import Costs, ScheduleError, draw, simulate
 
 
@@ -44,11 +44,11 @@ def drawn(name: str) -> tuple[list[str], list[int]]:
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_the_drawn_schedules_are_what_the_action_lists_do(name: str) -> None:
     K, M, v = SCHEDULES[name].example
-    actions = SCHEDULES[name].actions(K, M, v)
+    actions, placement = SCHEDULES[name].actions(K, M, v), SCHEDULES[name].placement
     rows, peak = drawn(name)
-    assert rows == [_cells(row.split("|")[1]) for row in draw(actions, K, v)[1:]]
+    assert rows == [_cells(row.split("|")[1]) for row in draw(actions, K, v, placement=placement)[1:]]
     assert len(rows) == K
-    assert peak == simulate(actions, K, v).peak
+    assert peak == simulate(actions, K, v, placement=placement).peak
 
 
 def test_lookup_names_the_registered_schedules() -> None:
@@ -80,11 +80,11 @@ def test_every_schedule_is_valid_and_free_of_deadlocks_under_nccl_rules(name: st
             assert name == "interleaved-1f1b" and M % max(1, M // K), refusal
             assert f"M = {M} with K = {K} is not; use M < {2 * K}, or M = " in refusal, refusal
         return
-    actions = SCHEDULES[name].actions(K, M, v)
+    actions, placement = executed(name, K, M, v), SCHEDULES[name].placement
     assert len(actions) == K
     unit = Costs(F=1 / v, B=2 / v, I=1 / v, W=1 / v)  # a rank's v virtual stages cost what one stage costs
-    result = simulate(actions, K, v, unit)  # the runtime's communicator layout, NCCL's rules
-    assert simulate(actions, K, v, unit, nccl=False).makespan <= result.makespan + 1e-9
+    result = simulate(actions, K, v, unit, placement=placement)  # the runtime's communicator layout, NCCL's rules
+    assert simulate(actions, K, v, unit, nccl=False, placement=placement).makespan <= result.makespan + 1e-9
     assert max(result.finish) == result.makespan and 0 <= result.bubble < 1
     one_f_one_b = simulate(SCHEDULES["1f1b"].actions(K, M, 1), K)
     if name == "gpipe":
@@ -102,6 +102,13 @@ def test_every_schedule_is_valid_and_free_of_deadlocks_under_nccl_rules(name: st
             assert result.makespan == 3 * M + K - 1  # ZB-H1's bubble: (K − 1)(F + I − W)
     if name == "interleaved-1f1b" and M >= K >= 2:
         assert result.makespan < one_f_one_b.makespan - 1e-9
+    if name == "zb-v":  # 1F1B's activation memory (a chunk holds half a stage's), never slower than ZB-H1
+        assert max(result.peak) / v <= max(one_f_one_b.peak)
+        zb_h1 = simulate(executed("zb-h1", K, M), K, 1, Costs(F=1, B=2, I=1, W=1))
+        assert result.makespan <= zb_h1.makespan + 1e-9
+        if M >= 2 * K >= 4:
+            assert result.makespan < zb_h1.makespan - 1e-9
+            assert result.makespan <= 3 * M + 0.5 * (K - 1) + 1e-9, result.makespan  # the ramp only
 
 
 def test_one_communicator_for_both_directions_deadlocks_under_nccl_rules_only() -> None:
@@ -152,7 +159,7 @@ def test_two_ends_that_order_their_transfers_differently_are_refused() -> None:
         simulate(actions, 2)
     assert str(caught.value).startswith(
         "rank 1's receive of micro-batch 1's activation from stage 0 would meet rank 0's send of micro-batch 0's "
-        "activation from stage 0 on the 0 → 1 communicator"
+        "activation from stage 0 on the 0 → 1 (activations) communicator"
     )
 
 
@@ -251,11 +258,13 @@ def test_inputs_received_ahead_never_slow_a_schedule_and_hide_transfers(name: st
     costs = Costs(F=1, B=2, I=1, W=1, transfer=0.5)
     for K in (2, 3, 4, 8):
         for M in (K, 2 * K, 4 * K):
-            v = 2 if name == "interleaved-1f1b" else 1
+            v, placement = SCHEDULES[name].v_min, SCHEDULES[name].placement
             if name == "interleaved-1f1b" and M % K:
                 continue
-            actions = [fuse_halves(ops) for ops in SCHEDULES[name].actions(K, M, v)]
-            ahead, posted_late = (simulate(actions, K, v, costs, ahead=a).makespan for a in (True, False))
+            actions = executed(name, K, M, v)
+            ahead, posted_late = (
+                simulate(actions, K, v, costs, ahead=a, placement=placement).makespan for a in (True, False)
+            )
             assert ahead <= posted_late + 1e-9, (K, M, ahead, posted_late)
             if name == "gpipe" and M >= K:
                 assert posted_late >= 1.05 * ahead, (K, M, ahead, posted_late)

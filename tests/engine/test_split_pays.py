@@ -164,11 +164,11 @@ def test_the_engine_splits_only_what_pays_and_is_the_same_run_as_1f1b() -> None:
 def test_the_simulated_zb_h1_step_shrinks_by_2_k_minus_1_times_the_w_moved(K: int) -> None:
     """``split_pays``' premise: with a share f of W moved out of I (F = 1, I + W = 2), zb-h1's step is 1F1B's less
     2(K − 1)·f, for M = 8."""
-    from lightning_gpipe.pipe.schedule.registry import SCHEDULES, fuse_halves
+    from lightning_gpipe.pipe.schedule.registry import SCHEDULES, executed
     from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 
     one_f_one_b = simulate(SCHEDULES["1f1b"].actions(K, 8), K, 1, Costs(F=1, B=2)).makespan
-    actions = [fuse_halves(ops) for ops in SCHEDULES["zb-h1"].actions(K, 8)]
+    actions = executed("zb-h1", K, 8)
     for f in (0.0, 0.25, 0.5, 1.0):
         step = simulate(actions, K, 1, Costs(F=1, B=2, I=2 - f, W=f)).makespan
         assert step == pytest.approx(one_f_one_b - 2 * (K - 1) * f), f

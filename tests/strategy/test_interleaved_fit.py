@@ -118,6 +118,11 @@ def test_chunks_the_interleaved_schedule_refuses_fail_at_setup_on_every_rank() -
             {"schedule": "1f1b", "virtual_stages": 3},
             "GPipeStrategy(schedule='1f1b', virtual_stages=3): '1f1b' runs one stage per rank; use schedule='interl",
         ),
+        (  # simulated only (pipe/schedule/registry.py), refused until the runtime places chunks in a V
+            {"schedule": "zb-v", "virtual_stages": 2},
+            "schedule='zb-v' places each rank's two chunks in a V (rank r: stages r and 2K − 1 − r), which the "
+            "schedule simulator runs",
+        ),
     ],
 )
 def test_interleaving_arguments_are_checked_at_construction(kwargs: dict[str, Any], message: str) -> None:

@@ -29,7 +29,7 @@ from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_
 from lightning_gpipe.pipe.run.executor import Executor, Pairs, settle, wait_sends
 from lightning_gpipe.pipe.run.records import Step
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
-from lightning_gpipe.pipe.schedule.registry import Action, ScheduleName, fuse_halves, inputs_ahead, keeps_graph, lookup
+from lightning_gpipe.pipe.schedule.registry import Action, ScheduleName, executed, inputs_ahead, keeps_graph, lookup
 from lightning_gpipe.pipe.schedule.simulator import simulate
 from lightning_gpipe.pipe.state.batchnorm import check_replicas_run_the_same_m, commit_deferred_batch_norm
 from lightning_gpipe.pipe.state.rng import restored_streams
@@ -39,14 +39,26 @@ LossFn = Callable[[Any, int], torch.Tensor]
 
 
 def check_schedule(schedule: ScheduleName, K: int, M: int, v: int) -> None:
-    """The registry's clear ValueError when ``schedule`` refuses v virtual stages per rank, or M micro-batches on K."""
+    """The registry's clear ValueError when ``schedule`` refuses v virtual stages per rank, or M micro-batches on K;
+    and one for a schedule whose chunks the runtime cannot place yet."""
+    check_placement(schedule)
     lookup(schedule).actions(K, M, v)
+
+
+def check_placement(schedule: ScheduleName) -> None:
+    """The runtime places a rank's chunks as interleaving does (stage c·K + r); a V (ZB-V's) is simulated only."""
+    if lookup(schedule).placement != "loop":
+        raise ValueError(
+            f"schedule={schedule!r} places each rank's two chunks in a V (rank r: stages r and 2K − 1 − r), which "
+            "the schedule simulator runs (pipe/schedule/registry.py) but the runtime does not place yet; use "
+            "'zb-h1' or 'interleaved-1f1b'"
+        )
 
 
 @lru_cache(maxsize=64)
 def rank_actions(schedule: ScheduleName, K: int, M: int, v: int = 1) -> tuple[tuple[Action, ...], ...]:
     """Every rank's actions under ``schedule``, once the simulator found them valid and free of deadlocks."""
-    actions = [fuse_halves(ops) for ops in lookup(schedule).actions(K, M, v)]
+    actions = executed(schedule, K, M, v)
     simulate(actions, K, v)
     return tuple(tuple(ops) for ops in actions)
 

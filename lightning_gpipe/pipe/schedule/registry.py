@@ -51,6 +51,17 @@ K = 2, M = 4, v = 2, each chunk half a stage: the bubble shrinks by v, for more 
     r0 | F0a F1a F0b F1b F2a B0b F3a B1b F2b B0a F3b B1a   . B2b   . B3b B2a B3a
     r1 |   . F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a
     peak live per rank: 5, 3
+
+ZB-V (the same paper, section 6; torch's ScheduleZBVZeroBubble): two chunks per rank placed in a V, rank r holding
+stage r (a) and stage 2K − 1 − r (b), so a micro-batch goes down the ranks and back up: rank K − 1 hands it from its
+chunk a to its chunk b, rank 0 holds the first and the last stage. With F = I = W per chunk it has no bubble but the
+ramp, at 1F1B's activation memory (a chunk holds half a stage's), K = 2, M = 4, v = 2:
+
+    "zb-v"
+     t |   0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17  18  19  20  21  22  23  24
+    r0 | F0a F1a F2a F0b I0b W0b F1b I1b W1b F3a I0a W0a F2b I2b W2b I1a W1a F3b I3b W3b I2a W2a I3a W3a
+    r1 |   . F0a F0b F1a F1b I0b W0b F2a I0a W0a F2b I1b W1b F3a I1a W1a F3b I2b W2b I2a I3b I3a W2a W3b W3a
+    peak live per rank: 4, 4
 """
 
 from __future__ import annotations
@@ -63,7 +74,11 @@ if TYPE_CHECKING:  # the registry and the simulator need no torch
     from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
 # The registered schedules' names (SCHEDULES below holds one spec each).
-ScheduleName = Literal["gpipe", "fill-drain", "1f1b", "interleaved-1f1b", "zb-h1"]
+ScheduleName = Literal["gpipe", "fill-drain", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
+# Where a rank's chunks sit in the backbone: "loop" (interleaving), chunk c of rank r is stage c·K + r; "v" (two
+# chunks), rank r holds stage r on the way down and 2K − 1 − r on the way back, so rank K − 1 holds the middle two
+# (a hand-off, no transfer) and rank 0 the first and the last.
+Placement = Literal["loop", "v"]
 
 Kind = Literal["F", "B", "I", "W"]
 
@@ -87,6 +102,25 @@ class Action(NamedTuple):
 Build = Callable[[int, int, int], list[list[Action]]]
 
 
+def stage_of(c: int, r: int, K: int, placement: Placement = "loop") -> int:
+    """The stage chunk c of rank r is."""
+    if placement == "v":
+        return r if c == 0 else 2 * K - 1 - r
+    return c * K + r
+
+
+def rank_of(s: int, K: int, placement: Placement = "loop") -> int:
+    """The rank holding stage s."""
+    if placement == "v":
+        return s if s < K else 2 * K - 1 - s
+    return s % K
+
+
+def chunk_of(s: int, K: int, placement: Placement = "loop") -> int:
+    """Which of its rank's chunks stage s is."""
+    return s // K
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A registered schedule: ``build(K, M, v)`` gives each rank's actions; ``v`` from ``v_min`` to ``v_max``
@@ -98,6 +132,7 @@ class ScheduleSpec:
     v_min: int = 1
     v_max: int | None = 1
     example: tuple[int, int, int] = (3, 4, 1)
+    placement: Placement = "loop"
 
     def accepts(self, v: int) -> bool:
         return self.v_min <= v and (self.v_max is None or v <= self.v_max)
@@ -194,6 +229,54 @@ def interleaved_1f1b(K: int, M: int, v: int) -> list[list[Action]]:
     return ranks
 
 
+def zb_v(K: int, M: int, v: int) -> list[list[Action]]:
+    """torch.distributed.pipelining's ScheduleZBVZeroBubble (Qi et al., "Zero Bubble Pipeline Parallelism", §6): two
+    chunks per rank in a V (chunk 0 = stage r, chunk 1 = stage 2K − 1 − r). Rank r warms up with 2(K − r) − 1
+    forwards of chunk 0, then r pairs of forwards on chunk 1 and 0, then K − r rounds of F, I, W on chunk 1; the
+    steady state runs F, I, W on chunk 0 and on chunk 1 by turns; the cool-down runs the input gradients first and
+    the deferred weight gradients last. Built for max(M, 2K − 1) micro-batches, as torch does, those beyond M left
+    out."""
+    n = max(M, 2 * K - 1)
+    return [[a for a in _zb_v_rank(K, n, r) if a.m < M] for r in range(K)]
+
+
+def _zb_v_rank(K: int, n: int, r: int) -> list[Action]:
+    ops: list[Action] = []
+    f, b = [0, 0], [0, 0]  # the next forward and input gradient, per chunk
+
+    def forward(c: int) -> None:
+        ops.append(Action("F", f[c], c))
+        f[c] += 1
+
+    def halves(c: int, weight: bool = True) -> None:
+        ops.extend([Action("I", b[c], c), Action("W", b[c], c)] if weight else [Action("I", b[c], c)])
+        b[c] += 1
+
+    for _ in range(2 * (K - r) - 1):
+        forward(0)
+    for _ in range(r):
+        forward(1)
+        forward(0)
+    for _ in range(K - r):
+        forward(1)
+        halves(1)
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            forward(0)
+        halves(0)
+        forward(1)
+        halves(1)
+    w = list(b)
+    for _ in range(r):
+        halves(0, weight=False)
+        halves(1, weight=False)
+    for _ in range(K - r):
+        halves(0, weight=False)
+        ops.append(Action("W", w[0], 0))
+        w[0] += 1
+    return ops + [Action("W", m, 1) for m in range(w[1], b[1])] + [Action("W", m, 0) for m in range(w[0], b[0])]
+
+
 SCHEDULES: dict[ScheduleName, ScheduleSpec] = {
     s.name: s
     for s in (
@@ -214,6 +297,15 @@ SCHEDULES: dict[ScheduleName, ScheduleSpec] = {
             "1F1B with backward split into I and W, W deferred into the cool-down",
             example=(3, 4, 1),
         ),
+        ScheduleSpec(
+            "zb-v",
+            zb_v,
+            "zero bubble over two chunks per rank in a V: 1F1B's activation memory",
+            v_min=2,
+            v_max=2,
+            example=(2, 4, 2),
+            placement="v",
+        ),
     )
 }
 
@@ -225,16 +317,22 @@ def lookup(name: str) -> ScheduleSpec:
     raise ValueError(f"schedule={name!r} is not one of {list(SCHEDULES)}")
 
 
-def fuse_halves(actions: Sequence[Action]) -> list[Action]:
-    """A rank's actions with each I m right before its W m run as one B m: split, they would send nothing earlier
-    (rank 0 of "zb-h1" always: nobody waits for its input gradient) and pay for the split."""
+def fuse_halves(actions: Sequence[Action], r: int) -> list[Action]:
+    """Rank r's actions with each I m of stage 0 right before its W m run as one B m: split, they would send nothing
+    earlier (nobody waits for stage 0's input gradient; rank 0 of "zb-h1" always) and pay for the split. Elsewhere the
+    I sends its gradient before the W runs (the last stage of "zb-v", on rank 0 too, runs I m, W m by turns)."""
     out: list[Action] = []
     for a in actions:
-        if a.kind == "W" and out and out[-1] == Action("I", a.m, a.c):
+        if r == 0 and a.c == 0 and a.kind == "W" and out and out[-1] == Action("I", a.m, a.c):
             out[-1] = Action("B", a.m, a.c)
         else:
             out.append(a)
     return out
+
+
+def executed(schedule: str, K: int, M: int, v: int = 1) -> list[list[Action]]:
+    """Every rank's actions of ``schedule`` as the runtime runs them (:func:`fuse_halves`)."""
+    return [fuse_halves(ops, r) for r, ops in enumerate(lookup(schedule).actions(K, M, v))]
 
 
 def keeps_graph(mode: Checkpoint, actions: Sequence[Action], m: int, c: int = 0) -> bool:
@@ -248,20 +346,24 @@ def keeps_graph(mode: Checkpoint, actions: Sequence[Action], m: int, c: int = 0)
     return at + 1 < len(actions) and actions[at + 1] in (Action("B", m, c), Action("I", m, c))
 
 
-def inputs_ahead(actions: Sequence[Action], K: int, r: int, v: int = 1) -> dict[int, int]:
+def inputs_ahead(
+    actions: Sequence[Action], K: int, r: int, v: int = 1, placement: Placement = "loop"
+) -> dict[int, int]:
     """Rank r's inputs received ahead: from the position of each F that receives its input, the position of the F
     whose input is the next receive from the same rank, where no output gradient from that rank comes between them
     (both transports match a peer's messages in order, so it is posted right after the first one was received)."""
     ahead: dict[int, int] = {}
     latest: dict[int, int] = {}  # source rank -> the position of its latest receive
+    S = v * K
     for pos, a in enumerate(actions):
-        if a.kind == "F" and (a.c, r) != (0, 0):
-            src = (r - 1) % K
-        elif a.kind in ("B", "I") and (a.c, r) != (v - 1, K - 1):
-            src = (r + 1) % K
+        s = stage_of(a.c, r, K, placement)
+        if a.kind == "F" and s > 0:
+            src = rank_of(s - 1, K, placement)
+        elif a.kind in ("B", "I") and s < S - 1:
+            src = rank_of(s + 1, K, placement)
         else:
             continue
-        if src == r:  # K = 1: a hand-off between the rank's own chunks
+        if src == r:  # a hand-off between the rank's own chunks
             continue
         before = latest.get(src)
         if a.kind == "F" and before is not None and actions[before].kind == "F":

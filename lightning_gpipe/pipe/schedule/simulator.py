@@ -42,7 +42,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from lightning_gpipe.pipe.schedule.registry import Action, inputs_ahead, keeps_graph
+from lightning_gpipe.pipe.schedule.registry import (
+    Action,
+    Placement,
+    chunk_of,
+    inputs_ahead,
+    keeps_graph,
+    rank_of,
+    stage_of,
+)
 
 if TYPE_CHECKING:
     from lightning_gpipe.pipe.state.rematerialize import Checkpoint
@@ -109,7 +117,7 @@ def _describe(message: Message) -> str:
     return f"micro-batch {m}'s {kind} from stage {s}"
 
 
-def _validate(actions: Sequence[Sequence[Action]], K: int, v: int) -> None:
+def _validate(actions: Sequence[Sequence[Action]], K: int, v: int, placement: Placement = "loop") -> None:
     """Each rank runs each (micro-batch, chunk) once: F, then B, or I then W; M is the largest m + 1."""
     if len(actions) != K:
         raise ScheduleError(f"the schedule has action lists for {len(actions)} ranks, but K = {K}")
@@ -125,7 +133,7 @@ def _validate(actions: Sequence[Sequence[Action]], K: int, v: int) -> None:
                 kinds = seen.get((m, c), "")
                 if kinds in ("FB", "FIW"):
                     continue
-                where = f"rank {r}, micro-batch {m} on chunk {c} (stage {c * K + r})"
+                where = f"rank {r}, micro-batch {m} on chunk {c} (stage {stage_of(c, r, K, placement)})"
                 if sorted(kinds) in (sorted("FB"), sorted("FIW")):
                     raise ScheduleError(f"{where}: runs {' '.join(kinds)}; it must run F, then B (or I, then W)")
                 raise ScheduleError(f"{where}: has {' '.join(kinds) or 'no action'}; it needs F and B, or F, I and W")
@@ -144,9 +152,10 @@ class _Run:
         nccl: bool,
         checkpoint: Checkpoint,
         ahead: bool = True,
+        placement: Placement = "loop",
     ) -> None:
-        self.actions, self.K, self.S = actions, K, v * K
-        self.ahead = [inputs_ahead(ops, K, r, v) if ahead else {} for r, ops in enumerate(actions)]
+        self.actions, self.K, self.S, self.placement = actions, K, v * K, placement
+        self.ahead = [inputs_ahead(ops, K, r, v, placement) if ahead else {} for r, ops in enumerate(actions)]
         self.posted_ahead: set[tuple[int, int]] = set()  # (rank, position): an F whose input receive is posted
         self.layout, self.nccl, self.checkpoint = layout, nccl, checkpoint
         self.table = costs if isinstance(costs, Mapping) else {}
@@ -168,8 +177,8 @@ class _Run:
     def comm(self, src: int, dst: int, message: Message) -> str:
         if self.layout == "single":
             return "pipeline"
-        if self.layout == "link":
-            return f"{src} → {dst}"
+        if self.layout == "link":  # activations and gradients apart: the ring's hop, the V's links carry both ways
+            return f"{src} → {dst} ({message[0]}s)"
         if self.layout == "flow":
             return "downstream" if message[0] == "activation" else "upstream"
         return "downstream" if dst > src else "upstream"
@@ -196,7 +205,7 @@ class _Run:
                 f"{_describe(send.message)} on the {send.comm} communicator: a rank's n-th send to a peer meets the "
                 "peer's n-th receive from it, so both ends must post their transfers in the same order"
             )
-        cost = self.cost(send.rank, send.message[2] // self.K)
+        cost = self.cost(send.rank, chunk_of(send.message[2], self.K, self.placement))
         back = cost.grad_transfer if send.message[0] == "gradient" else None
         end = start + (cost.transfer if back is None else back)
         self.arrived[recv.message] = end
@@ -208,15 +217,16 @@ class _Run:
         ops, K, moved = self.actions[r], self.K, False
         while self.pc[r] < len(ops):
             a = ops[self.pc[r]]
-            s, cost = a.c * K + r, self.cost(r, a.c)
+            s, cost = stage_of(a.c, r, K, self.placement), self.cost(r, a.c)
             if not self.started[r]:
                 self.started[r], self.ready[r], moved = True, self.clock[r], True
                 src = s - 1 if a.kind == "F" else s + 1 if a.kind in ("B", "I") else -1
                 if 0 <= src < self.S:
                     message: Message = ("activation" if a.kind == "F" else "gradient", a.m, src)
                     self.need[r] = message
-                    if src % K != r and (r, self.pc[r]) not in self.posted_ahead:  # B: before the recompute
-                        self.post(False, r, src % K, message, self.clock[r])
+                    peer = rank_of(src, K, self.placement)
+                    if peer != r and (r, self.pc[r]) not in self.posted_ahead:  # B: before the recompute
+                        self.post(False, r, peer, message, self.clock[r])
                         if a.kind != "F":
                             self.ready[r] += cost.recv_host
                 if a.kind in ("B", "I") and not keeps_graph(self.checkpoint, ops, a.m, a.c):
@@ -227,7 +237,8 @@ class _Run:
             start = max(self.ready[r], self.arrived[need] if need is not None else 0.0)
             if (later := self.ahead[r].get(self.pc[r])) is not None:
                 b = ops[later]
-                self.post(False, r, (r - 1) % K, ("activation", b.m, b.c * K + r - 1), start)
+                before = stage_of(b.c, r, K, self.placement) - 1
+                self.post(False, r, rank_of(before, K, self.placement), ("activation", b.m, before), start)
                 self.posted_ahead.add((r, later))
             took = getattr(cost, a.kind)
             if a.kind == "F" and cost.F_kept is not None and keeps_graph(self.checkpoint, ops, a.m, a.c):
@@ -240,12 +251,12 @@ class _Run:
             dst = s + 1 if a.kind == "F" else s - 1 if a.kind in ("B", "I") else -1
             if 0 <= dst < self.S:
                 message = ("activation" if a.kind == "F" else "gradient", a.m, s)
-                if dst % K == r:
+                if rank_of(dst, K, self.placement) == r:
                     self.arrived[message] = end
                 else:
                     host = cost.send_host if a.kind == "F" or cost.grad_send_host is None else cost.grad_send_host
                     self.clock[r] = end + host
-                    self.post(True, r, dst % K, message, self.clock[r])
+                    self.post(True, r, rank_of(dst, K, self.placement), message, self.clock[r])
             self.pc[r] += 1
             moved = True
         return moved
@@ -284,7 +295,7 @@ class _Run:
         if self.pc[r] == len(ops):
             return f"rank {r} ran all its actions"
         a = ops[self.pc[r]]
-        step = f"action {self.pc[r] + 1} of {len(ops)}, stage {a.c * self.K + r}"
+        step = f"action {self.pc[r] + 1} of {len(ops)}, stage {stage_of(a.c, r, self.K, self.placement)}"
         return f"rank {r} is in {a.label(self.S // self.K)} ({step})"
 
     def blocked(self, op: _Op) -> str:
@@ -310,7 +321,7 @@ class _Run:
             if self.pc[r] < len(self.actions[r]):
                 assert need is not None, "a rank stops only in a wait"
                 text = f"{self.where(r)} and waits for {_describe(need)}"
-                src = need[2] % self.K
+                src = rank_of(need[2], self.K, self.placement)
                 if src == r:
                     text += ", which this rank computes in a later action"
                 elif self.nccl:
@@ -325,7 +336,10 @@ class _Run:
         text += f" ({self.layout} communicator layout): " + "; ".join(lines)
         if self.nccl:
             try:
-                _Run(self.actions, self.K, self.S // self.K, self.default, self.layout, False, self.checkpoint).run()
+                v, buffered = self.S // self.K, False
+                _Run(
+                    self.actions, self.K, v, self.default, self.layout, buffered, self.checkpoint, True, self.placement
+                ).run()
                 text += (
                     ". With buffered sends (gloo) it would run: the cycle comes from NCCL's in-order, rendezvous "
                     "transfers; post in an order both ends of each communicator agree on"
@@ -347,22 +361,26 @@ def simulate(
     nccl: bool = True,
     checkpoint: Checkpoint = "never",
     ahead: bool | None = None,
+    placement: Placement = "loop",
 ) -> SimulationResult:
     """Run ``actions`` (per rank) on the model in the module docstring; ScheduleError if invalid or stuck.
 
     ``costs``: one Costs for every chunk, or per (rank, chunk) (the others: ``Costs()``); ``checkpoint``: which
     backwards recompute first (cost R), as the runtime decides with ``keeps_graph``; ``ahead``: inputs received
     ahead where the schedule allows (False: each posted when its F starts); by default where the runtime does it,
-    under NCCL's rules (``nccl``), not on gloo."""
-    _validate(actions, K, v)
-    return _Run(actions, K, v, costs, layout, nccl, checkpoint, nccl if ahead is None else ahead).run()
+    under NCCL's rules (``nccl``), not on gloo; ``placement``: where the rank's chunks sit (``registry.Placement``)."""
+    _validate(actions, K, v, placement)
+    ahead = nccl if ahead is None else ahead
+    return _Run(actions, K, v, costs, layout, nccl, checkpoint, ahead, placement).run()
 
 
-def draw(actions: Sequence[Sequence[Action]], K: int, v: int = 1, nccl: bool = False) -> list[str]:
+def draw(
+    actions: Sequence[Sequence[Action]], K: int, v: int = 1, nccl: bool = False, placement: Placement = "loop"
+) -> list[str]:
     """The schedule's timeline with every action one unit long, one row per rank ('.' = idle), as drawn in
     ``pipe.schedule.registry``: with buffered sends unless ``nccl``."""
     unit = Costs(F=1, B=1, I=1, W=1)
-    timeline = simulate(actions, K, v, unit, nccl=nccl).timeline
+    timeline = simulate(actions, K, v, unit, nccl=nccl, placement=placement).timeline
     width = max(len(a.label(v)) for row in timeline for a, _, _ in row)
     T = int(max(end for row in timeline for _, _, end in row))
     lines = [" t |" + "".join(f" {t:>{width}}" for t in range(T))]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.schedule.registry import Action, fuse_halves, lookup
+from lightning_gpipe.pipe.schedule.registry import Action, executed, lookup
 from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from lightning_gpipe.pipe.split.balance import Balance, agree_on_balance, local_name, shared_parameters, solve
 
@@ -153,7 +153,7 @@ def _admitted_actions(K: int, M: int, v: int, schedule: str) -> list[list[Action
     ``forward_backward`` raises the schedule's error."""
     for m in range(M, 0, -1):
         with contextlib.suppress(ValueError):
-            return [fuse_halves(ops) for ops in lookup(schedule).actions(K, m, v)]
+            return executed(schedule, K, m, v)
     raise AssertionError(f"{schedule} admits M = 1")
 
 
