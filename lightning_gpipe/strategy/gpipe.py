@@ -106,14 +106,12 @@ class GPipeStrategy(ParallelStrategy):
             per micro-batch (each backward starts at once); validation and test call it once, on the whole batch's
             output on the last stage (there is no backward to start): for a hook that adds up over micro-batches,
             which training checks, both give the same value.
-        schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards; the last stage runs each
-            backward right after its forward), ``"fill-drain"`` (the last stage too runs every forward first: for a
-            loss that needs the whole batch's forward, a mixture of experts' load-balancing loss), ``"1f1b"`` (at most
-            K − k micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
+        schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards), ``"fill-drain"`` (so on
+            the last stage too: a mixture of experts' load-balancing loss needs it), ``"1f1b"`` (at most K − k
+            micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
             (1F1B with the weight gradients of linear, convolution and embedding layers deferred into the drain: a
             smaller bubble, the same gradients); measured in ``benchmarks/README.md``. ``"interleaved-1f1b"`` with
-            ``virtual_stages`` ≥ 2: 1F1B over v virtual stages per rank, the bubble divided by v, more activations
-            in flight.
+            ``virtual_stages`` ≥ 2: 1F1B over v virtual stages per rank, the bubble divided by v, more in flight.
         virtual_stages: v, the stages of the backbone each rank holds: it is split into v·K stages (balance: v·K
             layer counts, or solved for v·K parts) and rank k holds stages k, k + K, …; ``schedule`` must then be
             ``"interleaved-1f1b"``. Default 1: one contiguous stage per rank.

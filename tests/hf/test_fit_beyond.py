@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
+from tests.helpers.hf_fit import TOL, PairedPlainLM, compare, plain_run, torch_initial
 from tests.helpers.hf_lm import ROUTED, PipelinedLM, batches, save_model
 from tests.helpers.launch import quiet_trainer, run_distributed
-from tests.hf.test_fit import TOL, PairedPlainLM, compare, plain_run, torch_initial
 
 pytest.importorskip("transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'")
 

@@ -74,7 +74,7 @@ def engine_imports() -> dict[str, set[str]]:
 # The engine's parts, bottom up: a part imports only from its own folder and the parts before it (pipe.__init__
 # re-exports the public names and may import anything).
 LAYERS = [
-    {"pipe.errors", "pipe._torch_internals", "pipe.microbatch", "pipe.skips"},
+    {"pipe.errors", "pipe._torch_internals", "pipe.microbatch", "pipe.skips", "pipe.context"},
     {"pipe.state", "pipe.schedule", "pipe.trace", "pipe.dp"},
     {"pipe.split", "pipe.comm"},
     {"pipe.run"},
