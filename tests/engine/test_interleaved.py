@@ -55,9 +55,9 @@ def micro_losses(target: torch.Tensor, sizes: list[int]) -> Any:
 
 
 def parity_run(
-    make: Any, v: int, M: int, balance: Any, dtype: torch.dtype, optimizer: str, mode: str, K: int
+    make: Any, v: int, M: int, balance: Any, dtype: torch.dtype, optimizer: str, mode: str, K: int, schedule: str
 ) -> dict[str, Any]:
-    """Three optimizer steps with interleaved 1F1B and on the plain model: the largest relative differences."""
+    """Three optimizer steps interleaved (``schedule``) and on the plain model: the largest relative differences."""
     model = make(dtype)
     ref = copy.deepcopy(model)
     stage = GPipeStage(model, chunks=M, balance=balance, checkpoint=mode, virtual_stages=v)
@@ -74,7 +74,9 @@ def parity_run(
         ref_loss.backward()
         opt.zero_grad()
         losses = stage.forward_backward(
-            x, micro_losses(target, stage.micro_batch_sizes(x)), schedule="interleaved-1f1b"
+            x,
+            micro_losses(target, stage.micro_batch_sizes(x)),
+            schedule=schedule,  # type: ignore[arg-type]
         )
         sum_over_pipeline(shared, dist.group.WORLD)  # tied weights: each rank's part of the gradient
         if stage.is_last:
@@ -88,12 +90,14 @@ def parity_run(
     return {"errs": errs, "keys": sorted(stage.state_dict()), "shared": [(n, s) for n, s, _ in stage.shared]}
 
 
-def parity_worker(rank: int, world_size: int, v: int, cases: list[tuple]) -> list[tuple[tuple, dict[str, Any]]]:
+def parity_worker(
+    rank: int, world_size: int, v: int, cases: list[tuple], schedule: str = "interleaved-1f1b"
+) -> list[tuple[tuple, dict[str, Any]]]:
     warnings.simplefilter("ignore")  # N < M warns by design
     out = []
     for case in cases:
         make, M, balance, dtype, optimizer, mode = case
-        out.append((case, parity_run(make, v, M, balance, dtype, optimizer, mode, world_size)))
+        out.append((case, parity_run(make, v, M, balance, dtype, optimizer, mode, world_size, schedule)))
     return out
 
 
@@ -127,13 +131,15 @@ def _chain12(dtype: torch.dtype) -> nn.Sequential:
         (2, 3, [(_chain12, 4, [2] * 6, F64, "sgd", "except_last")]),
     ],
 )
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb"])
 @pytest.mark.timeout(120)
-def test_interleaved_1f1b_is_the_plain_models_run(K: int, v: int, cases: list[tuple]) -> None:
+def test_interleaving_is_the_plain_models_run(schedule: str, K: int, v: int, cases: list[tuple]) -> None:
     """Gradients, losses and the weights after three SGD or Adam steps equal the plain model's (float64 ≤ 1e-12,
     fp32 ≤ 1e-6): M = K, 2K and M = 3 (not a multiple of K), uneven micro-batches (10, 7, 13 samples), a new
     sequence length each step, every re-materialization mode, tied weights across ranks and within a rank; each
-    rank's state-dict keys are the plain module's, and together all of them."""
-    per_rank = run_distributed(parity_worker, K, v, cases, timeout=100)
+    rank's state-dict keys are the plain module's, and together all of them. Under "interleaved-zb" each backward is
+    split, its weight gradients deferred."""
+    per_rank = run_distributed(parity_worker, K, v, cases, schedule, timeout=100)
     for case_i, case in enumerate(cases):
         tol = TOLS[case[3]]
         keys = set()
@@ -239,15 +245,19 @@ def phases_worker(rank: int, world_size: int, ordered: bool) -> dict[str, Any]:
     stage.forward_backward(x, micro_losses(target, stage.micro_batch_sizes(x)), schedule="interleaved-1f1b")
     errs["loss inside"] = max(rel_err(p.grad, ref.get_parameter(n).grad) for n, p in stage.named_parameters())
     compute = [e for e in stage.timeline.events if e.kind in ("forward", "backward")]
+    stage.zero_grad()  # and with each backward split (two ranks exchange both kinds each way: their own groups)
+    stage.forward_backward(x, micro_losses(target, stage.micro_batch_sizes(x)), schedule="interleaved-zb")
+    errs["split"] = max(rel_err(p.grad, ref.get_parameter(n).grad) for n, p in stage.named_parameters())
     return {"errs": errs, "labels": [block_label(e) for e in compute], "names": sorted({e.name for e in compute})}
 
 
 @pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.timeout(60)
 def test_phases_evaluation_and_timeline_with_chunks(ordered: bool) -> None:
-    """``stage(x)`` + ``backward()`` (the chunks one after the other) and evaluation give the plain model's output
-    and gradients; under NCCL's rules too (``nccl_order``: in-order rendezvous transfers, modelled on gloo). The
-    timeline's compute blocks are named by micro-batch and chunk, in the schedule's order."""
+    """``stage(x)`` + ``backward()`` (the chunks one after the other), evaluation, interleaved 1F1B and interleaved
+    zero bubble give the plain model's output and gradients; under NCCL's rules too (``nccl_order``: in-order
+    rendezvous transfers, modelled on gloo). The timeline's compute blocks are named by micro-batch and chunk, in
+    the schedule's order."""
     r0, r1 = run_distributed(phases_worker, 2, ordered, timeout=50)
     for rank, r in enumerate((r0, r1)):
         assert all(e <= 1e-12 for e in r["errs"].values()), (rank, r["errs"])

@@ -77,7 +77,7 @@ def test_every_schedule_is_valid_and_free_of_deadlocks_under_nccl_rules(name: st
         if not SCHEDULES[name].accepts(v):
             assert f"schedule {name!r} takes v " in refusal and f"got v = {v}" in refusal, refusal
         else:  # torch's rounds of M / max(1, M // K) micro-batches: M a multiple of max(1, M // K)
-            assert name == "interleaved-1f1b" and M % max(1, M // K), refusal
+            assert name in ("interleaved-1f1b", "interleaved-zb") and M % max(1, M // K), refusal
             assert f"M = {M} with K = {K} is not; use M < {2 * K}, or M = " in refusal, refusal
         return
     actions, placement = executed(name, K, M, v), SCHEDULES[name].placement
@@ -102,6 +102,11 @@ def test_every_schedule_is_valid_and_free_of_deadlocks_under_nccl_rules(name: st
             assert result.makespan == 3 * M + K - 1  # ZB-H1's bubble: (K − 1)(F + I − W)
     if name == "interleaved-1f1b" and M >= K >= 2:
         assert result.makespan < one_f_one_b.makespan - 1e-9
+    if name == "interleaved-zb" and M >= K >= 2:  # ahead of both its parts, in no more memory than interleaving's
+        interleaved = simulate(executed("interleaved-1f1b", K, M, v), K, v, unit)
+        zb_h1 = simulate(executed("zb-h1", K, M), K, 1, Costs(F=1, B=2, I=1, W=1))
+        assert result.makespan < min(interleaved.makespan, zb_h1.makespan) - 1e-9
+        assert max(result.peak) <= max(interleaved.peak)
     if name == "zb-v":  # 1F1B's activation memory (a chunk holds half a stage's), never slower than ZB-H1
         assert max(result.peak) / v <= max(one_f_one_b.peak)
         zb_h1 = simulate(executed("zb-h1", K, M), K, 1, Costs(F=1, B=2, I=1, W=1))
@@ -259,7 +264,7 @@ def test_inputs_received_ahead_never_slow_a_schedule_and_hide_transfers(name: st
     for K in (2, 3, 4, 8):
         for M in (K, 2 * K, 4 * K):
             v, placement = SCHEDULES[name].v_min, SCHEDULES[name].placement
-            if name == "interleaved-1f1b" and M % K:
+            if name.startswith("interleaved") and M % K:
                 continue
             actions = executed(name, K, M, v)
             ahead, posted_late = (

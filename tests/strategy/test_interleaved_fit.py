@@ -24,14 +24,24 @@ class TiedHook(HookModule):
         self.head.weight = self.prefix.weight
 
 
-def worker(rank: int, world_size: int, pp: int, v: int, accumulate: int, clip: float | None, tied: bool, out: str):
+def worker(
+    rank: int,
+    world_size: int,
+    pp: int,
+    v: int,
+    accumulate: int,
+    clip: float | None,
+    tied: bool,
+    out: str,
+    schedule: str = "interleaved-1f1b",
+) -> dict[str, Any]:
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")
     strategy = GPipeStrategy(
         chunks=4,
         pipeline_parallel_size=pp,
-        schedule="interleaved-1f1b",
+        schedule=schedule,  # type: ignore[arg-type]
         virtual_stages=v,
         save_distributed_checkpoint=False,
     )
@@ -50,20 +60,25 @@ def worker(rank: int, world_size: int, pp: int, v: int, accumulate: int, clip: f
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("world_size", "pp", "v", "accumulate", "clip", "tied"),
-    [(2, 2, 2, 2, 0.05, False), (4, 2, 2, 1, 0.05, True), (3, 3, 2, 1, None, False)],
+    ("world_size", "pp", "v", "accumulate", "clip", "tied", "schedule"),
+    [
+        (2, 2, 2, 2, 0.05, False, "interleaved-1f1b"),
+        (4, 2, 2, 1, 0.05, True, "interleaved-1f1b"),
+        (3, 3, 2, 1, None, False, "interleaved-1f1b"),
+        (4, 2, 2, 1, 0.05, True, "interleaved-zb"),  # each backward split, the weight gradients deferred
+        (3, 3, 2, 2, None, False, "interleaved-zb"),
+    ],
 )
 def test_interleaved_fit_is_the_plain_run(
-    world_size: int, pp: int, v: int, accumulate: int, clip: float | None, tied: bool, tmp_path: Any
+    world_size: int, pp: int, v: int, accumulate: int, clip: float | None, tied: bool, schedule: str, tmp_path: Any
 ) -> None:
     """Weights equal the plain Trainer's (≤ 1e-6) with accumulation and clipping, pp × dp (the ready buckets leave
     during the last backward), a prefix tied to the head; every logged value on dp = 1; each rank holds the chunks
     k, k + K of the 2K (the backbone's 8 layers solved for 2K parts), and the checkpoint file holds exactly the plain
     module's keys."""
     dp = world_size // pp
-    results = run_distributed(
-        worker, world_size, pp, v, accumulate, clip, tied, str(tmp_path), timeout=280, lightning=True
-    )
+    args = (pp, v, accumulate, clip, tied, str(tmp_path), schedule)
+    results = run_distributed(worker, world_size, *args, timeout=280, lightning=True)
     warnings.simplefilter("ignore")
     plain, plain_metrics = fit("auto", 1, dp, accumulate, clip, TiedHook if tied else HookModule)
     expected = dict(plain.named_parameters())

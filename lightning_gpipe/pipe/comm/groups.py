@@ -75,12 +75,17 @@ def link_groups(group: dist.ProcessGroup, rank: int, K: int, timeout: timedelta)
         return {}
     ranks, backend = tuple(dist.get_process_group_ranks(group)), str(dist.get_backend(group))
     out: LinkGroups = {}
+    # At K = 2 each direction carries activations and input gradients (interleaving's hop runs back along the
+    # other's link), which each end may post in its own order: a group for each kind.
+    kinds = (False, True) if K == 2 else (False,)
     for pipeline in _pipelines(ranks):
         for src, dst in links_of(K):
-            made = dist.new_group([pipeline[src], pipeline[dst]], backend=backend, timeout=data_timeout(timeout))
-            if pipeline == ranks and rank in (src, dst):
-                assert isinstance(made, dist.ProcessGroup), "a member"
-                out[src, dst] = (made, dist.get_group_rank(made, pipeline[dst if rank == src else src]))
+            for gradients in kinds:
+                made = dist.new_group([pipeline[src], pipeline[dst]], backend=backend, timeout=data_timeout(timeout))
+                if pipeline == ranks and rank in (src, dst):
+                    assert isinstance(made, dist.ProcessGroup), "a member"
+                    peer = dist.get_group_rank(made, pipeline[dst if rank == src else src])
+                    out[src, dst, gradients] = (made, peer)
     return out
 
 

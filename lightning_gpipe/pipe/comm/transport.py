@@ -45,9 +45,11 @@ _PEER_GONE = ("onnection", "remote process exiting", "communicator was aborted")
 # How long a stage waits for a peer before raising PipelineTimeout, unless told otherwise (torch.distributed's default).
 DEFAULT_TIMEOUT_S = 1800.0
 _LEN = struct.Struct("<q")
-# Each directed pair of stages carries one kind of traffic; tags keep headers apart from tensor bytes, the output
-# apart from the chain's traffic, and long skips (``skips``) apart from both and from each other (``skip_tags``).
-HEADER_TAG, DATA_TAG, OUTPUT_TAG, OUTPUT_DATA_TAG, SKIP_TAG = 0, 1, 2, 3, 4
+# Tags keep headers apart from tensor bytes, input gradients (going upstream) apart from activations, the output
+# apart from the chain's traffic, and long skips (``skips``) apart from all and from each other (``skip_tags``): two
+# ranks may exchange activations and gradients in the same direction (interleaving at K = 2), each end in its own
+# order of the two.
+HEADER_TAG, DATA_TAG, OUTPUT_TAG, OUTPUT_DATA_TAG, GRAD_TAG, GRAD_DATA_TAG, SKIP_TAG = 0, 1, 2, 3, 4, 5, 6
 
 
 def skip_tags(pair: int) -> tuple[int, int]:
@@ -57,8 +59,9 @@ def skip_tags(pair: int) -> tuple[int, int]:
 
 # A long skip's group for one direction of one pair of stages, and the peer's rank in it; by the data tag it carries.
 SkipGroups = dict[int, tuple[dist.ProcessGroup, int]]
-# A link's group for one direction, and the peer's rank in it; by (the sending stage, the receiving stage).
-LinkGroups = dict[tuple[int, int], tuple[dist.ProcessGroup, int]]
+# A link's group for one direction, and the peer's rank in it; by (the sending stage, the receiving stage, whether
+# it carries input gradients: only where a direction carries both kinds, else the activations' group carries all).
+LinkGroups = dict[tuple[int, int, bool], tuple[dist.ProcessGroup, int]]
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class Transport:
         self.posts_ahead = self.stream_waits or self._models_nccl
         # (work, buffer, peer, whether it is tensor data): kept until the peer received it.
         self._pending_sends: list[tuple[Any, torch.Tensor, int, bool]] = []
+        self._data_aborted = False  # after a failure (abort_data): every data group, used or not
         # Receives posted ahead of the call that takes them, by (source, tag), in posting order (see post_ahead).
         self._ahead: dict[tuple[int, int], deque[PendingRecv]] = defaultdict(deque)
         # Long skips' own groups by data tag (see add_skip_groups).
@@ -210,14 +214,17 @@ class Transport:
         if tag in self._skip_groups:
             group, rank = self._skip_groups[tag]
             return f"skip tag {tag}", group, rank
-        if (src, dst) in self.links:
-            group, rank = self.links[src, dst]
-            return f"{src} → {dst}", group, rank
+        gradients = tag == GRAD_DATA_TAG and (src, dst, True) in self.links
+        if (src, dst, gradients) in self.links:
+            group, rank = self.links[src, dst, gradients]
+            return f"{src} → {dst}" + (" (gradients)" if gradients else ""), group, rank
         return "pipeline", self.group, dst if src == self.stage else src
 
     def _queue(self, name: str, group: dist.ProcessGroup) -> nccl_order.OrderedP2P:
         if name not in self._ordered:
             self._ordered[name] = nccl_order.OrderedP2P(group, name, self.timeout.total_seconds())
+            if self._data_aborted:  # a group not used before the failure is aborted with the others
+                self._ordered[name].abort()
         return self._ordered[name]
 
     def _irecv(self, buf: torch.Tensor, src: int, tag: int, header: bool) -> Any:
@@ -373,6 +380,7 @@ class Transport:
         pipeline's group, where the links carried the tensors, and the world's are left alone: aborting them would
         take every later collective on them (Lightning's teardown) with it. Headers (error notices among them) still
         go out."""
+        self._data_aborted = True
         for ordered in self._ordered.values():
             ordered.abort()
         if self.stream_waits:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe.comm.links import Links, check_header
+from lightning_gpipe.pipe.comm.transport import GRAD_TAG
 from lightning_gpipe.pipe.context import MicroBatchInfo, running
 from lightning_gpipe.pipe.microbatch import (
     differentiable,
@@ -226,7 +227,7 @@ class Executor:
         if not self.is_last:
             expect = [meta for meta, mark in zip(mb.metas, mb.marks) if mark]
             what = f"micro-batch {m}'s output gradient"
-            pending = self.peers().transport.post_recv(self.next_rank, what, expect=expect)
+            pending = self.peers().transport.post_recv(self.next_rank, what, expect=expect, tag=GRAD_TAG)
         skip_grads = {
             dst: self.peers().post_skip_grads(dst, m, expect, self.routes())
             for dst, metas in mb.skip_metas.items()
@@ -269,7 +270,15 @@ class Executor:
         if not self.is_first:
             marks = [False] * len(grads_in)
             self.peers().send(
-                self.prev_rank, grads_in, m, c, label="gradient", requires_grad=marks, m=m, stage=self.index
+                self.prev_rank,
+                grads_in,
+                m,
+                c,
+                label="gradient",
+                tag=GRAD_TAG,
+                requires_grad=marks,
+                m=m,
+                stage=self.index,
             )
         else:
             input_grads[m] = grads_in

@@ -7,7 +7,7 @@ from contextlib import contextmanager, suppress
 from typing import Any, NoReturn
 
 from lightning_gpipe.pipe.comm.links import Links
-from lightning_gpipe.pipe.comm.transport import OUTPUT_TAG, skip_tags
+from lightning_gpipe.pipe.comm.transport import GRAD_TAG, OUTPUT_TAG, skip_tags
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.run.records import OutputMode
 from lightning_gpipe.pipe.skips import StageSkips, skip_pairs
@@ -98,7 +98,8 @@ class FailureHandler:
         neighbours = {(k - 1) % K, (k + 1) % K} if self._ring else {k - 1, k + 1}
         for dst in sorted(neighbours):
             if 0 <= dst < K and dst != k and dst != err.via:
-                self._notify(links, dst, err)
+                self._notify(links, dst, err)  # where it may wait for an activation
+                self._notify(links, dst, err, tag=GRAD_TAG)  # or for a gradient
         for dst, tag in self._skip_notices:
             if dst != err.via:
                 self._notify(links, dst, err, tag=tag)

@@ -128,11 +128,14 @@ def forward_backward(
                         executors[later.c].receive_ahead(later.m)
                     if m == 0:
                         check_replicas_run_the_same_m(s.layers, M, s.device)
-                        if any(a.kind == "W" for a in ops):
+                        if any(a.kind == "W" and a.c == c for a in ops):
                             weights[c] = split = WeightGrads(s.layers, (K, M))
                             hooks.callback(split.close)
                     keep = keeps_graph(s.checkpoint, ops, m, c)
-                    s.forward_micro(step, x, m, M, n, not keep, could_require[c], weights[c])
+                    # Only a micro-batch whose backward is split (I, then W) defers its weight gradients; one run as
+                    # one B (fuse_halves) computes them in it.
+                    deferred = weights[c] if Action("W", m, c) in ops else None
+                    s.forward_micro(step, x, m, M, n, not keep, could_require[c], deferred)
                     if not keep:
                         step.micro[m].output = None  # the last stage too: recomputed right before its backward
                     if m == M - 1:
@@ -145,7 +148,7 @@ def forward_backward(
                         assert chunk_weights is not None, "a W follows its F"
                         s.weight_micro(m, chunk_weights)
                     else:
-                        s.backward_micro(step, m, input_grads, partial(roots, m=m), weights[c])
+                        s.backward_micro(step, m, input_grads, partial(roots, m=m), weights[c] if kind == "I" else None)
                 pos += 1
         if first.is_first and steps[0].input_leaves:
             torch.autograd.backward(steps[0].input_leaves, join_input_grads(input_grads, first.batch_dim))

@@ -52,6 +52,17 @@ K = 2, M = 4, v = 2, each chunk half a stage: the bubble shrinks by v, for more 
     r1 |   . F0a F1a F0b B0b F1b B1b F2a B0a F3a B1a F2b B2b F3b B3b B2a B3a
     peak live per rank: 5, 3
 
+Interleaved zero bubble (torch's ScheduleInterleavedZeroBubble, without its idle padding): interleaving's order with
+each backward split as ZB-H1's, a shorter warm-up, rank r deferring its W's by r backwards; the activations of 1F1B
+(4 half stages here), the bubble of interleaving and zero bubble together. Two ranks exchange activations and
+gradients in each direction here, each end in its own order of the two: they travel apart (``Transport``'s tags):
+
+    "interleaved-zb"
+     t |   0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17  18  19  20  21  22  23  24
+    r0 | F0a F1a F0b F1b   . I0b W0b F2a I1b W1b F3a I0a W0a F2b I1a W1a F3b I2b W2b I3b W3b I2a W2a I3a W3a
+    r1 |   . F0a F1a F0b I0b F1b I1b W0b F2a I0a W1b F3a I1a W0a F2b I2b W1a F3b I3b W2b I2a W3b I3a W2a W3a
+    peak live per rank: 4, 4
+
 ZB-V (the same paper, section 6; torch's ScheduleZBVZeroBubble): two chunks per rank placed in a V, rank r holding
 stage r (a) and stage 2K − 1 − r (b), so a micro-batch goes down the ranks and back up: rank K − 1 hands it from its
 chunk a to its chunk b, rank 0 holds the first and the last stage. With F = I = W per chunk it has no bubble but the
@@ -74,7 +85,7 @@ if TYPE_CHECKING:  # the registry and the simulator need no torch
     from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
 # The registered schedules' names (SCHEDULES below holds one spec each).
-ScheduleName = Literal["gpipe", "fill-drain", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
+ScheduleName = Literal["gpipe", "fill-drain", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v"]
 # Where a rank's chunks sit in the backbone: "loop" (interleaving), chunk c of rank r is stage c·K + r; "v" (two
 # chunks), rank r holds stage r on the way down and 2K − 1 − r on the way back, so rank K − 1 holds the middle two
 # (a hand-off, no transfer) and rank 0 the first and the last.
@@ -199,18 +210,23 @@ def zb_h1(K: int, M: int, v: int) -> list[list[Action]]:
     return ranks
 
 
-def interleaved_1f1b(K: int, M: int, v: int) -> list[list[Action]]:
-    """torch.distributed.pipelining's ScheduleInterleaved1F1B (Megatron's order), without its idle padding: the
-    micro-batches go in rounds of M / max(1, M // K), each round through chunk 0, 1, … forward, backward in reverse."""
+def _per_round(name: str, K: int, M: int) -> int:
+    """Micro-batches per round of torch's interleaved schedules: M / max(1, M // K), which must divide M."""
     rounds = max(1, M // K)
     if M % rounds:
         fits = sorted({n for n in (M - M % K, M + K - M % K) if n and n % max(1, n // K) == 0})
         raise ValueError(
-            f"schedule 'interleaved-1f1b' runs M micro-batches in rounds of M / max(1, M // K) (as torch's "
-            f"ScheduleInterleaved1F1B does), which needs M to be a multiple of max(1, M // K) = {rounds}: "
+            f"schedule {name!r} runs M micro-batches in rounds of M / max(1, M // K) (as torch's interleaved "
+            f"schedules do), which needs M to be a multiple of max(1, M // K) = {rounds}: "
             f"M = {M} with K = {K} is not; use M < {2 * K}, or M = {' or '.join(map(str, fits))}"
         )
-    per_round = M // rounds
+    return M // rounds
+
+
+def interleaved_1f1b(K: int, M: int, v: int) -> list[list[Action]]:
+    """torch.distributed.pipelining's ScheduleInterleaved1F1B (Megatron's order), without its idle padding: the
+    micro-batches go in rounds of M / max(1, M // K), each round through chunk 0, 1, … forward, backward in reverse."""
+    per_round = _per_round("interleaved-1f1b", K, M)
     ranks = []
     for r in range(K):
         warm_up = min((v - 1) * per_round + 2 * (K - 1 - r), M * v)
@@ -227,6 +243,37 @@ def interleaved_1f1b(K: int, M: int, v: int) -> list[list[Action]]:
                 next_b[c] += 1
         ranks.append(ops)
     return ranks
+
+
+def interleaved_zb(K: int, M: int, v: int) -> list[list[Action]]:
+    """torch.distributed.pipelining's ScheduleInterleavedZeroBubble, without its idle padding: interleaving's rounds
+    with a warm-up of (v − 1)·M/rounds + K − 1 − r forwards, each backward split into I and W, rank r deferring its
+    W's by r backwards into the cool-down (as "zb-h1" does with one chunk)."""
+    per_round = _per_round("interleaved-zb", K, M)
+    return [_interleaved_zb_rank(K, M, v, r, per_round) for r in range(K)]
+
+
+def _interleaved_zb_rank(K: int, M: int, v: int, r: int, per_round: int) -> list[Action]:
+    warm_up = min((v - 1) * per_round + K - 1 - r, M * v)
+    index: dict[Kind, list[int]] = {"F": [0] * v, "I": [0] * v, "W": [0] * v}
+    chunks: list[int] = []  # each I's chunk, in order: the W's follow them
+    ops: list[Action] = []
+
+    def act(kind: Kind, c: int) -> None:
+        ops.append(Action(kind, index[kind][c], c))
+        index[kind][c] += 1
+
+    for op in range(M * v + warm_up):
+        if op < M * v:
+            act("F", (op // per_round) % v)
+        if op >= warm_up:
+            chunks.append(v - 1 - ((op - warm_up) // per_round) % v)
+            act("I", chunks[-1])
+            if op - warm_up >= r:
+                act("W", chunks[sum(index["W"])])
+    while sum(index["W"]) < len(chunks):
+        act("W", chunks[sum(index["W"])])
+    return ops
 
 
 def zb_v(K: int, M: int, v: int) -> list[list[Action]]:
@@ -296,6 +343,14 @@ SCHEDULES: dict[ScheduleName, ScheduleSpec] = {
             zb_h1,
             "1F1B with backward split into I and W, W deferred into the cool-down",
             example=(3, 4, 1),
+        ),
+        ScheduleSpec(
+            "interleaved-zb",
+            interleaved_zb,
+            "interleaving with each backward split into I and W, W deferred into the cool-down",
+            v_min=2,
+            v_max=None,
+            example=(2, 4, 2),
         ),
         ScheduleSpec(
             "zb-v",

@@ -27,8 +27,10 @@ What it assumes the runtime does (``forward_backward``, ``Executor.forward_micro
   travel on a gloo group and are not modelled.
 * The communicator layout is the runtime's, ``layout="link"``: ``Transport._data_group`` sends each directed pair of
   ranks' tensors on a communicator of their own (``groups.link_groups``), so a rank's receive never waits behind its
-  own send to another rank. ``"rank-order"``: the layout before it, two communicators over the pipeline's ranks, one
-  for sends to a higher rank and one for sends to a lower rank (a middle rank's receive from below then queues
+  own send to another rank, and activations apart from input gradients (a group each where a direction carries both,
+  at K = 2; on gloo, tags), since each end may post the two kinds in its own order. ``"rank-order"``: the layout
+  before it, two communicators over the pipeline's ranks, one for sends to a higher rank and one for sends to a
+  lower rank (a middle rank's receive from below then queues
   behind its send above: about 1.5× the makespan of gpipe with the loss inside at K = 4–8 once transfers cost,
   ``tests/engine/test_schedules.py``); ``"flow"``: activations on one, gradients on the other, whatever the ranks;
   ``"single"``: one for everything (the layout that hung, to show the check catches it). A transfer between two
@@ -177,7 +179,7 @@ class _Run:
     def comm(self, src: int, dst: int, message: Message) -> str:
         if self.layout == "single":
             return "pipeline"
-        if self.layout == "link":  # activations and gradients apart: the ring's hop, the V's links carry both ways
+        if self.layout == "link":  # activations and gradients apart, as the runtime's tags and groups keep them
             return f"{src} → {dst} ({message[0]}s)"
         if self.layout == "flow":
             return "downstream" if message[0] == "activation" else "upstream"
