@@ -6,9 +6,9 @@
 # it for "gpipe" with the loss inside, for the shortest simulated step: chunks.solve_virtual_stages), a training step =
 # forward + loss + backward + RMSProp update, with the stage's timeline on, along five loss paths, alternating step by
 # step in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
-# "gpipe", "1f1b", "zb-h1" and "interleaved-1f1b" (stage.forward_backward: the loss per micro-batch on the last
-# stage, inside the pipeline; zb-h1's backward halves, I and W, count as backward; interleaved-1f1b on a stage of
-# its own with v = 2 virtual stages per rank, the backbone cut in 2K chunks as GPipeStage cuts it:
+# "gpipe", "1f1b", "zb-h1", "interleaved-1f1b" and "interleaved-zb" (stage.forward_backward: the loss per micro-batch
+# on the last stage, inside the pipeline; the split backward halves, I and W, count as backward; interleaved on a
+# stage of its own with v = 2 virtual stages per rank, the backbone cut in 2K chunks as GPipeStage cuts it:
 # chunks.solve_virtual_stages). Each step is traced on every stage (clocks lined up after a barrier), then broken down
 # by lightning_gpipe.pipe.trace.stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
 # load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
@@ -51,8 +51,8 @@ from lightning_gpipe.pipe.trace.gantt import plot_timeline
 
 # The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the
 # schedules of GPipeStage.forward_backward (the loss per micro-batch on the last stage, inside the pipeline).
-PATHS = ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
-V = 2  # virtual stages per rank of the "interleaved-1f1b" path (its own stage: the backbone in vK parts)
+PATHS = ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb")
+V = 2  # virtual stages per rank of the interleaved paths (their own stage: the backbone in vK parts)
 # Disjoint shares of the whole step (first event to last on any stage, averaged over stages), in stacking order:
 # compute, the loss, then the rest of the bubble split into waiting for a peer's compute and the transfer itself,
 # then what lies outside the pipeline's span (the update, and the rest: the loop).
@@ -115,7 +115,7 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     for name, entry in job["models"].items():
         stages, optimizers = {}, {}
         for path in paths:
-            v = V if path == "interleaved-1f1b" else 1
+            v = V if path.startswith("interleaved") else 1
             if v not in stages:
                 torch.manual_seed(0)
                 balance = entry["balance"] if v == 1 else entry["balance_interleaved"]
@@ -133,7 +133,7 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         for s in range(job["warmup"] + job["max_steps"]):
             disturbed = False
             for path in paths if s % 2 == 0 else paths[::-1]:
-                v = V if path == "interleaved-1f1b" else 1
+                v = V if path.startswith("interleaved") else 1
                 stage, optimizer = stages[v], optimizers[v]
                 stage.zero_grad(set_to_none=True)
                 rec, events = timed(lambda p=path, st=stage, o=optimizer: traced_step(st, o, x, target, p))  # noqa: B023

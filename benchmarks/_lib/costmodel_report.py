@@ -15,7 +15,7 @@ from benchmarks._lib.workloads import PAPER_TABLE2
 from lightning_gpipe.pipe.schedule.registry import SCHEDULES
 from lightning_gpipe.pipe.state.rematerialize import Checkpoint
 
-V = {"interleaved-1f1b": 2, "zb-v": 2}  # virtual stages per rank where a schedule needs several
+V = {"interleaved-1f1b": 2, "interleaved-zb": 2, "zb-v": 2}  # virtual stages per rank where a schedule needs several
 TOLERANCE = 0.10
 
 VALIDATION: list[report.Column] = [

@@ -110,11 +110,11 @@ class GPipeStrategy(ParallelStrategy):
             the last stage too: a mixture of experts' load-balancing loss needs it), ``"1f1b"`` (at most K − k
             micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
             (1F1B with the weight gradients of linear, convolution and embedding layers deferred into the drain: a
-            smaller bubble, the same gradients); measured in ``benchmarks/README.md``. ``"interleaved-1f1b"`` with
-            ``virtual_stages`` ≥ 2: 1F1B over v virtual stages per rank, the bubble divided by v, more in flight.
+            smaller bubble, the same gradients); measured in ``benchmarks/README.md``. With ``virtual_stages`` ≥ 2:
+            ``"interleaved-1f1b"`` (the bubble divided by v) or ``"interleaved-zb"`` (and each backward split).
         virtual_stages: v, the stages of the backbone each rank holds: it is split into v·K stages (balance: v·K
             layer counts, or solved for v·K parts) and rank k holds stages k, k + K, …; ``schedule`` must then be
-            ``"interleaved-1f1b"``. Default 1: one contiguous stage per rank.
+            an interleaved one. Default 1: one contiguous stage per rank.
         data_parallel_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket),
             ``"hierarchical"`` (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back;
             the same means to fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and
