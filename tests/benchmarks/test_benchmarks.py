@@ -161,11 +161,11 @@ def run_smoke(name: str, out: Path, *extra: str) -> dict:
 
 
 @pytest.mark.timeout(160)
-def test_overhead_compares_the_five_loss_paths_with_their_efficiency(tmp_path: Path) -> None:
+def test_overhead_compares_the_six_loss_paths_with_their_efficiency(tmp_path: Path) -> None:
     data = run_smoke("overhead", tmp_path, "--models", "transformer")
     rows = data["rows"]
     assert [(r["model"], r["K"], r["path"]) for r in rows] == [
-        ("transformer", 2, p) for p in ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+        ("transformer", 2, p) for p in ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb")
     ]
     for r in rows:
         assert 0.0 < r["efficiency"] <= 1.5, r
@@ -175,8 +175,9 @@ def test_overhead_compares_the_five_loss_paths_with_their_efficiency(tmp_path: P
     assert all(r["loss"] > 0 for r in rows)
     md = (tmp_path / "overhead.md").read_text()
     assert "efficiency (ideal GPipe step / step)" in md and "| 1f1b |" in md and "| whole-batch |" in md
-    assert "| zb-h1 |" in md and rows[-2]["backward"] > 0  # its I and W count as backward
+    assert "| zb-h1 |" in md and rows[3]["backward"] > 0 and rows[5]["backward"] > 0  # I and W count as backward
     assert "| interleaved-1f1b |" in md and len(data["raw"]["2"]["transformer"]["interleaved-1f1b"]["steps"]) >= 3
+    assert "| interleaved-zb |" in md
 
 
 @pytest.mark.timeout(160)
