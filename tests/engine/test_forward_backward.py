@@ -69,7 +69,7 @@ def test_the_registry_holds_every_schedule_name_once() -> None:
     assert tuple(SCHEDULES) == get_args(ScheduleName)
     assert all(name == spec.name for name, spec in SCHEDULES.items())
     assert ONE_CHUNK == ("gpipe", "fill-drain", "1f1b", "zb-h1")
-    names = "['gpipe', 'fill-drain', '1f1b', 'interleaved-1f1b', 'zb-h1', 'zb-v']"
+    names = "['gpipe', 'fill-drain', '1f1b', 'interleaved-1f1b', 'zb-h1', 'interleaved-zb', 'zb-v']"
     with pytest.raises(ValueError, match=re.escape(f"schedule='zb-h2' is not one of {names}")):
         lookup("zb-h2")
 
