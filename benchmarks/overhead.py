@@ -1,20 +1,20 @@
 """GPipe paper Table 4 from the timeline: where a pipelined step's time goes, per loss path, for K = 2 and K = 4."""
 
 # What it runs: throughput.py's small AmoebaNet-D and Transformer (_lib/workloads.py; the Transformer's vocabulary
-# projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread
-# each, checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance cut as GPipeStrategy cuts
-# it for "gpipe" with the loss inside, for the shortest simulated step: chunks.solve_virtual_stages), a training step =
-# forward + loss + backward + RMSProp update, with the stage's timeline on, along five loss paths, alternating step by
-# step in the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
-# "gpipe", "1f1b", "zb-h1", "interleaved-1f1b" and "interleaved-zb" (stage.forward_backward: the loss per micro-batch
-# on the last stage, inside the pipeline; the split backward halves, I and W, count as backward; interleaved on a
-# stage of its own with v = 2 virtual stages per rank, the backbone cut in 2K chunks as GPipeStage cuts it:
-# chunks.solve_virtual_stages). Each step is traced on every stage (clocks lined up after a barrier), then broken down
-# by lightning_gpipe.pipe.trace.stats.breakdown: recompute, bubble (pipeline time in which a stage computes nothing),
-# load imbalance, transfer (the part of receive waits after the peer sent), the loss, the weight update, as shares of
-# the step, and the efficiency (the ideal GPipe step over the measured one); medians over the clean traced steps. One
-# Gantt chart per configuration. Writes <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>_<path>.png. Run
-# from the repo root:
+# projection is the backbone's last layer), pipelined by GPipeStage over K processes (gloo on 127.0.0.1, 1 thread each,
+# checkpoint="except_last" unless --checkpoint says otherwise, time-profiled balance cut as GPipeStrategy cuts it for
+# "gpipe" with the loss inside, for the shortest simulated step: chunks.solve_virtual_stages), a training step = forward
+# + loss + backward + RMSProp update, with the stage's timeline on, along seven loss paths, alternating step by step in
+# the same processes: "whole-batch" (stage(x); the last stage's loss on the whole output; stage.backward()), and
+# "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb" and "zb-v" (stage.forward_backward: the loss per
+# micro-batch on the last stage, inside the pipeline; the split backward halves, I and W, count as backward; interleaved
+# on a stage of its own with v = 2 virtual stages per rank, the backbone cut in 2K chunks as GPipeStage cuts it:
+# chunks.solve_virtual_stages; "zb-v" on a third, its two chunks per rank in a V, cut for it). Each step is traced on
+# every stage (clocks lined up after a barrier), then broken down by lightning_gpipe.pipe.trace.stats.breakdown:
+# recompute, bubble (pipeline time in which a stage computes nothing), load imbalance, transfer (the part of receive
+# waits after the peer sent), the loss, the weight update, as shares of the step, and the efficiency (the ideal GPipe
+# step over the measured one); medians over the clean traced steps. One Gantt chart per configuration. Writes
+# <out-dir>/overhead.{json,md,png} and overhead_<model>_k<K>_<path>.png. Run from the repo root:
 #   python -m benchmarks.overhead
 
 from __future__ import annotations
@@ -51,7 +51,14 @@ from lightning_gpipe.pipe.trace.gantt import plot_timeline
 
 # The loss paths: today's (the loss on the whole output, between the forward and backward phases) and the
 # schedules of GPipeStage.forward_backward (the loss per micro-batch on the last stage, inside the pipeline).
-PATHS = ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb")
+PATHS = ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb", "zb-v")
+
+
+def stage_kind(path: str) -> str:
+    """Which stage a loss path runs on: one chunk per rank, V interleaved chunks, or two chunks in a V (ZB-V's)."""
+    return "v" if path == "zb-v" else "interleaved" if path.startswith("interleaved") else "one"
+
+
 V = 2  # virtual stages per rank of the interleaved paths (their own stage: the backbone in vK parts)
 # Disjoint shares of the whole step (first event to last on any stage, averaged over stages), in stacking order:
 # compute, the loss, then the rest of the bubble split into waiting for a peer's compute and the transfer itself,
@@ -85,8 +92,8 @@ def traced_step(stage: GPipeStage, optimizer: torch.optim.Optimizer, x: Any, tar
     return gather_events(timeline, origin_ns=origin)
 
 
-def step_shares(events: list) -> dict[str, float]:
-    b = breakdown(events)
+def step_shares(events: list, placement: str = "loop") -> dict[str, float]:
+    b = breakdown(events, placement)
     span, p_span = b["span_ms"], b["pipeline_span_ms"]
     shares = {kind: b["shares"][kind] for kind in ("forward", "backward", "recompute", "loss", "transfer", "update")}
     shares["backward"] += b["shares"]["backward-input"] + b["shares"]["backward-weight"]  # zb-h1's halves
@@ -115,32 +122,37 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     for name, entry in job["models"].items():
         stages, optimizers = {}, {}
         for path in paths:
-            v = V if path.startswith("interleaved") else 1
-            if v not in stages:
+            kind = stage_kind(path)
+            if kind not in stages:
                 torch.manual_seed(0)
-                balance = entry["balance"] if v == 1 else entry["balance_interleaved"]
-                stages[v] = GPipeStage(
+                balance = {
+                    "one": entry["balance"],
+                    "interleaved": entry["balance_interleaved"],
+                    "v": entry["balance_v"],
+                }
+                stages[kind] = GPipeStage(
                     build(name, entry["sizes"]),
                     chunks=job["M"],
-                    balance=balance,
+                    balance=balance[kind],
                     checkpoint=job["checkpoint"],
-                    virtual_stages=v,
+                    virtual_stages=1 if kind == "one" else V,
+                    placement="v" if kind == "v" else "loop",
                 )
-                optimizers[v] = torch.optim.RMSprop(stages[v].parameters(), lr=1e-4)
+                optimizers[kind] = torch.optim.RMSprop(stages[kind].parameters(), lr=1e-4)
         x, target = make_batch(name, entry["sizes"])
         steps: dict[str, list[dict]] = {path: [] for path in paths}
         charts: dict[str, list | None] = {path: None for path in paths}
         for s in range(job["warmup"] + job["max_steps"]):
             disturbed = False
             for path in paths if s % 2 == 0 else paths[::-1]:
-                v = V if path.startswith("interleaved") else 1
-                stage, optimizer = stages[v], optimizers[v]
+                stage, optimizer = stages[stage_kind(path)], optimizers[stage_kind(path)]
                 stage.zero_grad(set_to_none=True)
                 rec, events = timed(lambda p=path, st=stage, o=optimizer: traced_step(st, o, x, target, p))  # noqa: B023
                 clean = rec["foreign_cores"] < job["clean_threshold"]
                 disturbed |= not clean
                 if s >= job["warmup"] and rank == 0:
-                    row = {**step_shares(events), "clean": clean, "foreign_cores": rec["foreign_cores"]}
+                    shares = step_shares(events, stage.placement)
+                    row = {**shares, "clean": clean, "foreign_cores": rec["foreign_cores"]}
                     row["page_faults"] = rec["page_faults"]
                     steps[path].append(row)
                     charts[path] = events if clean or charts[path] is None else charts[path]
@@ -302,6 +314,9 @@ def main() -> None:
                     # As GPipeStage(virtual_stages=V) splits measured costs: for the simulated interleaved step.
                     "balance_interleaved": solve_virtual_stages(
                         info["layer_costs_ms"], K, V, args.micro_batches, args.checkpoint
+                    ),
+                    "balance_v": solve_virtual_stages(
+                        info["layer_costs_ms"], K, 2, args.micro_batches, args.checkpoint, "zb-v"
                     ),
                 }
                 for n, info in models.items()

@@ -24,8 +24,8 @@ from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.schedule.registry import lookup
 from lightning_gpipe.pipe.schedule.simulator import simulate
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
-LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1", "interleaved-1f1b": "interleaved 1F1B"}
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1", "interleaved-1f1b": "interleaved 1F1B", "zb-v": "ZB-V"}
 V = 2  # virtual stages per rank under "interleaved-1f1b" (its own stage: the same costs solved for 2K parts)
 MB = 2**20
 METHOD = """\
@@ -41,8 +41,9 @@ stage 0's ratio 1F1B / GPipe should be about K/M; the target is ≤ 1.25 · K/M.
 (rank k defers its weight gradients by k backwards; between I and W a micro-batch keeps only what W needs: the inputs
 and output gradients of its linear, convolution and embedding ops). Interleaved 1F1B runs on a stage of its own,
 v = 2 virtual stages per rank (the same layer costs solved for 2K parts: rank k holds chunks k and k + K); its in-flight
-count is the simulator's peak of chunk micro-batches over v (in stages' worth). Step time: then the schedules alternate
-step by step in the same processes, without the meter (medians of clean steps, `machine.measure`)."""
+count is the simulator's peak of chunk micro-batches over v (in stages' worth). ZB-V runs on a third stage, two chunks
+per rank in a V (rank k holds chunks k and 2K − 1 − k), its in-flight count counted alike. Step time: then the schedules
+alternate step by step in the same processes, without the meter (medians of clean steps, `machine.measure`)."""
 
 
 def run(rank: int, world: int, job: dict) -> dict:
@@ -54,22 +55,32 @@ def run(rank: int, world: int, job: dict) -> dict:
         torch.cuda.set_device(device)
     group = dist.new_group(backend="nccl") if cuda and world > 1 else None
     model, x, target = build(job["model"], spec, spec["size"])
-    interleaved_model = copy.deepcopy(model)
+    interleaved_model, v_model = copy.deepcopy(model), copy.deepcopy(model)
     costs = layer_costs(model, x, max(2, spec["N"] // M), spec["N"]) if world > 1 and rank == 0 else None
     balance: Any = [len(model)] if world == 1 else (lambda i, _layer: costs[i])
     stage = GPipeStage(model, chunks=M, balance=balance, checkpoint="never", group=group, device=device)
     interleaved = GPipeStage(
         interleaved_model, chunks=M, balance=balance, checkpoint="never", group=group, device=device, virtual_stages=V
     )
-    del model, interleaved_model
-    stage.to(device)
-    interleaved.to(device)
+    in_v = GPipeStage(
+        v_model,
+        chunks=M,
+        balance=balance,
+        checkpoint="never",
+        group=group,
+        device=device,
+        virtual_stages=V,
+        placement="v",
+    )
+    del model, interleaved_model, v_model
+    for st in (stage, interleaved, in_v):
+        st.to(device)
     x = tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
     target = target.to(device)
-    opts = {s: torch.optim.Adam(s.parameters(), lr=1e-4, foreach=False) for s in (stage, interleaved)}
+    opts = {s: torch.optim.Adam(s.parameters(), lr=1e-4, foreach=False) for s in (stage, interleaved, in_v)}
 
     def on(schedule: str) -> GPipeStage:
-        return interleaved if schedule == "interleaved-1f1b" else stage
+        return {"interleaved-1f1b": interleaved, "zb-v": in_v}.get(schedule, stage)
 
     def step(schedule: str, inputs: Any, tgt: torch.Tensor) -> None:
         st = on(schedule)
@@ -82,6 +93,7 @@ def run(rank: int, world: int, job: dict) -> dict:
     step("gpipe", tuple(t[:n] for t in x) if isinstance(x, tuple) else x[:n], target[:n])
     stage._chunks = M
     step("interleaved-1f1b", x, target)  # its warm-up: interleaving needs M ≥ K micro-batches
+    step("zb-v", x, target)
     peaks: dict[str, dict] = {}
     for schedule in job["order"]:
         opts[on(schedule)].zero_grad(set_to_none=False)
@@ -108,8 +120,9 @@ def run(rank: int, world: int, job: dict) -> dict:
 
 def in_flight(schedule: str, k: int, K: int, M: int) -> float:
     """Micro-batches whose activations stage k holds at once under ``schedule`` (interleaved: in stages' worth)."""
-    if schedule == "interleaved-1f1b":
-        return simulate(lookup(schedule).actions(K, M, V), K, V).peak[k] / V
+    if schedule in ("interleaved-1f1b", "zb-v"):
+        placement = lookup(schedule).placement
+        return simulate(lookup(schedule).actions(K, M, V), K, V, placement=placement).peak[k] / V
     if schedule == "1f1b":
         return min(M, K - k)
     if schedule == "zb-h1":
@@ -150,7 +163,8 @@ def compare(args: argparse.Namespace, families: dict, ks: list[int]) -> None:
         trow |= {"time_ratio": st_["1f1b"]["median_ms"] / st_["gpipe"]["median_ms"]}
         trow |= {"zb_time_ratio": st_["zb-h1"]["median_ms"] / st_["1f1b"]["median_ms"]}
         trow |= {"il_time_ratio": st_["interleaved-1f1b"]["median_ms"] / st_["1f1b"]["median_ms"]}
-        trow |= {f"{s}_worst_vs_1f1b": worst[s] / worst["1f1b"] for s in ("zb-h1", "interleaved-1f1b")}
+        trow |= {"zbv_time_ratio": st_["zb-v"]["median_ms"] / st_["1f1b"]["median_ms"]}
+        trow |= {f"{s}_worst_vs_1f1b": worst[s] / worst["1f1b"] for s in ("zb-h1", "interleaved-1f1b", "zb-v")}
         trow |= {"worst_ratio": worst["1f1b"] / worst["gpipe"], "clean": f"{st_['gpipe']['clean_steps']}/"}
         trow["clean"] += f"{st_['1f1b']['clean_steps']}/{st_['zb-h1']['clean_steps']} of {st_['gpipe']['timed_steps']}"
         notes = (["oversubscribed"] if K > cores else []) + (["noisy"] if st_["gpipe"]["noisy"] else [])
@@ -162,15 +176,17 @@ def compare(args: argparse.Namespace, families: dict, ks: list[int]) -> None:
 MEM_COLS = (
     "model|model|; K|K|; stage|stage|; layers|layers|; model_mb|model state MB|.1f; gpipe_mb|GPipe peak act. MB|.2f; "
     "1f1b_mb|1F1B peak act. MB|.2f; zb-h1_mb|ZB-H1 peak act. MB|.2f; interleaved-1f1b_mb|interleaved peak act. MB|.2f; "
+    "zb-v_mb|ZB-V peak act. MB|.2f; "
     "gpipe_inflight|GPipe in flight|; 1f1b_inflight|1F1B in flight|; zb-h1_inflight|ZB-H1 in flight|; "
-    "interleaved-1f1b_inflight|interleaved in flight|.2f; "
+    "interleaved-1f1b_inflight|interleaved in flight|.2f; zb-v_inflight|ZB-V in flight|.2f; "
     "ratio|1F1B / GPipe|.3f; ideal|in-flight ratio|.3f; bound|target 1.25·K/M (stage 0)|.3f; met|met|"
 )
 TIME_COLS = (
     "model|model|; K|K|; M|M|; gpipe_ms|GPipe step ms|.0f; 1f1b_ms|1F1B step ms|.0f; zb-h1_ms|ZB-H1 step ms|.0f; "
-    "interleaved-1f1b_ms|interleaved step ms|.0f; time_ratio|1F1B / GPipe time|.3f; zb_time_ratio|ZB-H1 / 1F1B "
-    "time|.3f; il_time_ratio|interleaved / 1F1B time|.3f; zb-h1_worst_vs_1f1b|worst stage's peak act., ZB-H1 / "
-    "1F1B|.3f; interleaved-1f1b_worst_vs_1f1b|worst stage's peak act., interleaved / 1F1B|.3f; "
+    "interleaved-1f1b_ms|interleaved step ms|.0f; zb-v_ms|ZB-V step ms|.0f; time_ratio|1F1B / GPipe time|.3f; "
+    "zb_time_ratio|ZB-H1 / 1F1B time|.3f; il_time_ratio|interleaved / 1F1B time|.3f; zbv_time_ratio|ZB-V / 1F1B "
+    "time|.3f; zb-h1_worst_vs_1f1b|worst stage's peak act., ZB-H1 / 1F1B|.3f; interleaved-1f1b_worst_vs_1f1b|worst "
+    "stage's peak act., interleaved / 1F1B|.3f; zb-v_worst_vs_1f1b|worst stage's peak act., ZB-V / 1F1B|.3f; "
     "worst_ratio|worst stage's peak act., 1F1B / GPipe|.3f; clean|clean steps (GPipe/1F1B/ZB-H1 of timed)|; note|note|"
 )
 
@@ -182,7 +198,10 @@ def table(rows: list[dict], spec: str) -> str:
 def write(args: argparse.Namespace, families: dict, runs: list, rows: list, time_rows: list, total: float) -> None:
     env = report.environment(threads_per_process=1, processes="one per stage, fresh per model and K (gloo)")
     command = report.command_line("memory")
-    md = ["# 1F1B, ZB-H1 and interleaved 1F1B vs GPipe, the loss per micro-batch: peak activation and step time", ""]
+    md = [
+        "# 1F1B, ZB-H1, interleaved 1F1B and ZB-V vs GPipe, the loss per micro-batch: peak activation and step time",
+        "",
+    ]
     md += [*report.environment_lines(env), f"- Command: `{command}`; total {total:.0f} s", "", METHOD, ""]
     md += [f"- {n}: `{families[n]}`, size {families[n]['unit']} = {families[n]['size']}" for n in args.models]
     md += ["", f"## Peak activation per stage (M = {args.chunks}, checkpoint=never)", "", table(rows, MEM_COLS)]

@@ -187,7 +187,7 @@ class StageSkips:
     """The skips of stage ``index``: what its layers declare, what it receives from and sends to which stage."""
 
     index: int
-    ranks: int = 1  # K: stage s runs on rank s % K (with interleaving a rank holds several stages)
+    homes: tuple[int, ...] = ()  # the rank of each stage (with virtual stages a rank holds several); (): stage s's s
     stashes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # layer name -> skip names it stashes
     pops: dict[str, tuple[str, ...]] = field(default_factory=dict)  # layer name -> skip names it pops
     receives: dict[int, tuple[str, ...]] = field(default_factory=dict)  # source stage -> skip names, in order
@@ -195,7 +195,7 @@ class StageSkips:
     pairs: dict[int, int] = field(default_factory=dict)  # the other stage -> the pair's index in skip_pairs
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.ranks
+        return self.homes[stage] if self.homes else stage
 
     def local(self, stage: int) -> bool:
         """Whether ``stage`` runs on this stage's rank (another chunk of it): skips are handed over, not sent."""
@@ -322,15 +322,16 @@ def skip_layers(module: nn.Sequential) -> dict[str, tuple[int, int]]:
     return {name: (where["stash"][name][0][0], where["pop"][name][0][0]) for name in order}
 
 
-def plan_skips(module: nn.Sequential, balance: Sequence[int], ranks: int | None = None) -> list[StageSkips] | None:
-    """Each stage's skips for ``module`` split by ``balance`` (layers per stage) over ``ranks`` (default: a rank per
-    stage), from the layers' declarations (:func:`skip_layers`); None when no layer declares one."""
+def plan_skips(module: nn.Sequential, balance: Sequence[int], homes: Sequence[int] = ()) -> list[StageSkips] | None:
+    """Each stage's skips for ``module`` split by ``balance`` (layers per stage), stage s on rank ``homes[s]``
+    (default: a rank per stage), from the layers' declarations (:func:`skip_layers`); None when no layer declares
+    one."""
     skips = skip_layers(module)
     if not skips:
         return None
     names = list(module._modules)
     stage_of = [k for k, count in enumerate(balance) for _ in range(count)]
-    plans = [StageSkips(k, ranks or len(balance)) for k in range(len(balance))]
+    plans = [StageSkips(k, tuple(homes)) for k in range(len(balance))]
     for name, (i, j) in skips.items():
         s, p = stage_of[i], stage_of[j]
         plans[s].stashes[names[i]] = (*plans[s].stashes.get(names[i], ()), name)

@@ -24,7 +24,7 @@ from lightning_gpipe.pipe.run.failures import FailureHandler, skip_notices
 from lightning_gpipe.pipe.run.loss_inside import LossFn, check_schedule, forward_backward
 from lightning_gpipe.pipe.run.loss_outside import backward_phase, evaluate, forward_phase
 from lightning_gpipe.pipe.run.records import OUTPUT_MODES, OutputMode, Step
-from lightning_gpipe.pipe.schedule.registry import ScheduleName, lookup
+from lightning_gpipe.pipe.schedule.registry import Placement, ScheduleName, lookup, rank_of
 from lightning_gpipe.pipe.skips import current_tray, plan_skips, skip_pairs
 from lightning_gpipe.pipe.split.balance import Balance, stage_layers
 from lightning_gpipe.pipe.split.indexing import LayerIndex, RemoteLayer
@@ -33,7 +33,9 @@ from lightning_gpipe.pipe.split.virtual_stages import (
     ChunkLayers,
     agree_on_virtual_stages,
     check_virtual_stages,
+    checked_placement,
     held_stages,
+    homes,
     shared_over_ranks,
 )
 from lightning_gpipe.pipe.state.batchnorm import convert_deferred_batch_norm
@@ -82,6 +84,9 @@ class GPipeStage(nn.Module):
             (``balance`` gives vK counts, or is solved for vK parts) and rank r holds the non-adjacent stages r, r + K,
             …, for ``forward_backward(schedule="interleaved-1f1b")``, whose bubble is 1F1B's divided by v. The phases of
             ``stage(x)`` and ``backward()`` run the virtual stages one after the other. Default 1: one stage per rank.
+        placement: where a rank's virtual stages sit: ``"loop"`` (interleaved, as above) or ``"v"`` (v = 2, rank r
+            holds stages r and 2K − 1 − r, for ``schedule="zb-v"``: rank K − 1 holds the middle two, rank 0 the first
+            and the last, so the loss and the output are on rank 0; see ``pipe/schedule/registry.py``).
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class GPipeStage(nn.Module):
         timeout: float = DEFAULT_TIMEOUT_S,
         timeline: bool = False,
         virtual_stages: int = 1,
+        placement: Placement = "loop",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -131,16 +137,18 @@ class GPipeStage(nn.Module):
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._device = torch.device(device)
         K, r = self._num_stages, self._index
+        self._placement = placement = checked_placement(placement, virtual_stages)
         v = self._virtual_stages = check_virtual_stages(virtual_stages, K)
+        solved_for = "zb-v" if placement == "v" else "interleaved-1f1b"
         self._balance = agree_on_virtual_stages(
-            module, K, v, balance, sample, groups[1] if groups else None, chunks, checkpoint
+            module, K, v, balance, sample, groups[1] if groups else None, chunks, checkpoint, solved_for
         )
-        stages = held_stages(r, K, v)
-        skips = plan_skips(module, self._balance, K)
+        stages = held_stages(r, K, v, placement)
+        skips = plan_skips(module, self._balance, homes(K, v, placement))
         chunk_layers = [stage_layers(module, self._balance, s) for s in stages]
         layers = [pair for chunk in chunk_layers for pair in chunk]
-        self._layer_index = LayerIndex(module, self._balance, r, stages)
-        self._shared_names = shared_over_ranks(module, self._balance, K, r, layers)
+        self._layer_index = LayerIndex(module, self._balance, r, stages, homes(K, v, placement))
+        self._shared_names = shared_over_ranks(module, self._balance, K, r, layers, placement)
         for name, layer in layers:
             self.add_module(name, convert_deferred_batch_norm(layer) if deferred_batch_norm else layer)
         self._name_keys = {name: name_key(name) for name, _ in layers}
@@ -154,13 +162,18 @@ class GPipeStage(nn.Module):
         self._timeline = Timeline(self._index, enabled=timeline, device=self._device)
         links = None
         if groups:
-            links_ = link_groups(groups[0], r, K, wait)
+            links_ = link_groups(groups[0], r, K, wait, placement)
             transport = Transport(groups[0], device=self._device, timeout=wait, header_group=groups[1], links=links_)
             links = Links(transport, StatusCheck(groups[1], self._index, wait), self._index, self._timeline)
             if skips is not None:
-                transport.add_skip_groups(skip_groups(groups[0], r, skip_pairs(skips), K, wait))
-        notices = skip_notices(skips, r, K)
-        self._failures = FailureHandler(self._index, K, links, self._timeline, ring=v > 1, skip_notices=notices)
+                pairs = skip_pairs(skips)
+                transport.add_skip_groups(skip_groups(groups[0], r, pairs, homes(K, v, placement), wait))
+        self._last_rank = rank_of(v * K - 1, K, placement)
+        ring = v > 1 and placement == "loop"
+        notices = skip_notices(skips, r)
+        self._failures = FailureHandler(
+            self._index, K, links, self._timeline, ring=ring, skip_notices=notices, last=self._last_rank
+        )
         self._executors = [
             Executor(
                 owner,
@@ -178,6 +191,7 @@ class GPipeStage(nn.Module):
                 ranks=K,
                 chunk=c if v > 1 else -1,
                 skips=None if skips is None else skips[stages[c]],
+                placement=placement,
             )
             for c, owner in enumerate(owners)
         ]
@@ -215,7 +229,18 @@ class GPipeStage(nn.Module):
 
     @property
     def is_last(self) -> bool:
-        return self._index == self._num_stages - 1
+        """Whether this rank holds the last stage (rank K − 1; rank 0 in a V): the loss, the output."""
+        return self._index == self._last_rank
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank that holds the last stage: K − 1, or 0 in a V."""
+        return self._last_rank
+
+    @property
+    def placement(self) -> Placement:
+        """Where this rank's virtual stages sit (``registry.Placement``)."""
+        return self._placement
 
     @property
     def balance(self) -> list[int]:
@@ -403,7 +428,7 @@ class GPipeStage(nn.Module):
             )
         name = lookup(schedule).name
         try:  # on every rank before any transfer: each raises the same error
-            check_schedule(name, self._num_stages, self._chunks, self._virtual_stages)
+            check_schedule(name, self._num_stages, self._chunks, self._virtual_stages, self._placement)
         except ValueError as e:
             raise ValueError(f"GPipeStage(virtual_stages={self._virtual_stages}, chunks={self._chunks}): {e}") from e
         self._refresh_chunks()

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import BatchNormBase
-from lightning_gpipe.pipe.run.loss_inside import check_placement, check_schedule
+from lightning_gpipe.pipe.run.loss_inside import check_schedule
 from lightning_gpipe.pipe.schedule.registry import SCHEDULES, ScheduleName, lookup
 from lightning_gpipe.pipe.split.rules import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
 from lightning_gpipe.pipe.state.rematerialize import CHECKPOINT_MODES
@@ -146,7 +146,6 @@ def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) 
             f"GPipeStrategy(virtual_stages={v!r}): the stages of the backbone each rank holds, an int ≥ 1 (1: one "
             "stage per rank; ≥ 2 with schedule='interleaved-1f1b')"
         )
-    check_placement(schedule)
     spec = lookup(schedule)
     if not spec.accepts(v):
         fix = "schedule='interleaved-1f1b'" if v > 1 else "virtual_stages=2 or more (or another schedule)"
@@ -168,7 +167,7 @@ def check_interleaving(K: int, chunks: int, schedule: ScheduleName, virtual_stag
             "pipeline_parallel_size is 1: use virtual_stages=1, or a pipeline of several devices"
         )
     try:
-        check_schedule(schedule, K, chunks, virtual_stages)
+        check_schedule(schedule, K, chunks, virtual_stages, lookup(schedule).placement)
     except ValueError as e:
         raise ValueError(f"GPipeStrategy(chunks={chunks}) on {K} pipeline stages: {e}") from e
 

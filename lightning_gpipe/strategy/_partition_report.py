@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary, get_human_readable_count
 from torch import nn
 
+from lightning_gpipe.pipe.schedule.registry import Placement, chunk_of, rank_of
 from lightning_gpipe.pipe.skips import skip_layers
 from lightning_gpipe.strategy._balance import MEASURES, UNITS, Plan
 from lightning_gpipe.strategy._lightning_internals import summarize_with
@@ -49,14 +50,15 @@ class WholeModel:
 
 @dataclass(frozen=True)
 class PartitionReport:
-    """The split: which layers each of the stages holds, their parameters and cost; with interleaving the stages
-    are the vK virtual stages, rank k holding stages k, k + K, …"""
+    """The split: which layers each of the stages holds, their parameters and cost; with virtual stages the stages
+    are the vK virtual stages, rank k holding stages k, k + K, … (in a V, ``placement="v"``: k and 2K − 1 − k)."""
 
     whole: WholeModel
     plan: Plan
     counts: list[int]  # layers per stage
     costs: list[float] | None  # per layer, by plan.kind; None where they could not be had
     ranks: int | None = None  # K, the pipeline's ranks (None: one stage each)
+    placement: Placement = "loop"
 
     @property
     def virtual_stages(self) -> int:
@@ -64,7 +66,7 @@ class PartitionReport:
 
     def holder(self, s: int) -> int:
         """The pipeline rank that holds stage ``s``."""
-        return s % self.K_ranks
+        return rank_of(s, self.K_ranks, self.placement)
 
     @property
     def path(self) -> str:
@@ -118,7 +120,8 @@ class PartitionReport:
             if self._weighed:  # the Cost column is what was measured; the Share column and this, as weighed
                 worst += " of the weighed costs (the Share column; the Cost column is as measured)"
         v = self.virtual_stages
-        interleaved = f" (virtual_stages={v}: rank k holds stages k, k + {self.K_ranks}, …)" if v > 1 else ""
+        held = f"k and {2 * self.K_ranks - 1} − k" if self.placement == "v" else f"k, k + {self.K_ranks}, …"
+        interleaved = f" (virtual_stages={v}: rank k holds stages {held})" if v > 1 else ""
         split = f"split into {self.K} stages{interleaved} by {MEASURES[self.plan.kind]}"
         return f"GPipeStrategy: self.{self.path} {split}{note}{worst}"
 
@@ -128,7 +131,8 @@ class PartitionReport:
         total = sum(weighed) if weighed else 0.0
         columns: Table = [("Stage", [str(k) for k in range(self.K)])]
         if self.virtual_stages > 1:
-            columns.append(("Chunk", [f"{self.holder(k)}{chr(ord('a') + k // self.K_ranks)}" for k in range(self.K)]))
+            chunk = [chunk_of(k, self.K_ranks, self.placement) for k in range(self.K)]
+            columns.append(("Chunk", [f"{self.holder(k)}{chr(ord('a') + chunk[k])}" for k in range(self.K)]))
         columns += [
             ("Layers", [self.layer_range(k) for k in range(self.K)]),
             ("Params", [get_human_readable_count(n).strip() for n in self.stage_parameters]),

@@ -116,7 +116,7 @@ class PipelineLoss:
     ) -> None:
         self.stage, self.schedule, self.batch_dim, self.group = stage, schedule, batch_dim, group
         self.plugin = plugin  # its GradScaler, if any, scales each micro-batch's loss (read at each step)
-        self.last = dist.get_global_rank(group, stage.num_stages - 1) if stage.num_stages > 1 else None
+        self.last = dist.get_global_rank(group, stage.last_rank) if stage.num_stages > 1 else None
         self.loss: float | None = None  # the step's loss, once pipeline_loss ran
         self.checked_epoch: int | None = None  # the split-invariance check runs at each epoch's first step
         self.grads: dict[nn.Parameter, Tensor] = {}

@@ -16,6 +16,7 @@ from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.dp.fsdp import ShardedLayers
 from lightning_gpipe.pipe.dp.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
+from lightning_gpipe.pipe.schedule.registry import lookup
 from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from lightning_gpipe.pipe.state.batchnorm import sync_deferred_batch_norm
 from lightning_gpipe.pipe.state.rematerialize import Checkpoint
@@ -156,7 +157,7 @@ class RankPipeline:
         stage = _stage(backbone, plan, options, mesh, device)
         audit.hand_over(stage, log=rank == 0)
         averages.follow(stage)
-        report = PartitionReport(whole_model, plan, stage.balance, costs, ranks=K)
+        report = PartitionReport(whole_model, plan, stage.balance, costs, ranks=K, placement=stage.placement)
         step_audit = StepAudit(stage, path, options.batch_dim, mesh.dp_group, rank)
         sharded = None
         if on_meta:  # only now, with the other stages' layers dropped: memory ∝ this rank's partition
@@ -375,4 +376,5 @@ def _stage(
         device=device,
         timeout=mesh.timeout_s,
         virtual_stages=options.virtual_stages,
+        placement=lookup(options.schedule).placement,
     )

@@ -83,7 +83,7 @@ def from_last_stage(
     """``output="placeholder"``: the other stages computed on zeros; the last stage's values replace theirs."""
     if stage.output_mode != "placeholder" or stage.num_stages == 1:
         return step_output
-    return take_from_last_stage(step_output, module, group, stage.num_stages - 1, device)
+    return take_from_last_stage(step_output, module, group, stage.last_rank, device)
 
 
 def take_from_last_stage(

@@ -93,7 +93,7 @@ class StepTracer:
         from lightning_gpipe.pipe.trace.gantt import plot_timeline
 
         out.mkdir(parents=True, exist_ok=True)
-        stats = plot_timeline(events, out / f"step_{step}.png", title=f"step {step}")
+        stats = plot_timeline(events, out / f"step_{step}.png", f"step {step}", stage.placement)
         write_chrome_trace(events, out / f"step_{step}.json", metadata={"step": step, **stats})
         rank_zero_info(f"GPipe trace of step {step} in {out}: {summary_line(stats)}")
 

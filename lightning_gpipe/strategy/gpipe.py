@@ -111,10 +111,10 @@ class GPipeStrategy(ParallelStrategy):
             micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
             (1F1B with the weight gradients of linear, convolution and embedding layers deferred into the drain: a
             smaller bubble, the same gradients); measured in ``benchmarks/README.md``. With ``virtual_stages`` ≥ 2:
-            ``"interleaved-1f1b"`` (the bubble divided by v) or ``"interleaved-zb"`` (and each backward split).
+            ``"interleaved-1f1b"`` (the bubble divided by v), ``"interleaved-zb"`` (and each backward split) or, at
+            v = 2, ``"zb-v"`` (zero bubble with rank k holding stages k and 2K − 1 − k: the loss on rank 0).
         virtual_stages: v, the stages of the backbone each rank holds: it is split into v·K stages (balance: v·K
-            layer counts, or solved for v·K parts) and rank k holds stages k, k + K, …; ``schedule`` must then be
-            an interleaved one. Default 1: one contiguous stage per rank.
+            layer counts, or solved for v·K parts) and rank k holds stages k, k + K, … (in a V for "zb-v").
         data_parallel_reduction: the data-parallel gradient mean: ``"flat"`` (one all-reduce per bucket),
             ``"hierarchical"`` (Jizhi's: reduce within each node, all-reduce among one rank per node, broadcast back;
             the same means to fp32 rounding), or ``"auto"``: hierarchical where replicas of a stage share a node and

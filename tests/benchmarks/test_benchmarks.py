@@ -161,11 +161,12 @@ def run_smoke(name: str, out: Path, *extra: str) -> dict:
 
 
 @pytest.mark.timeout(160)
-def test_overhead_compares_the_six_loss_paths_with_their_efficiency(tmp_path: Path) -> None:
+def test_overhead_compares_the_seven_loss_paths_with_their_efficiency(tmp_path: Path) -> None:
     data = run_smoke("overhead", tmp_path, "--models", "transformer")
     rows = data["rows"]
     assert [(r["model"], r["K"], r["path"]) for r in rows] == [
-        ("transformer", 2, p) for p in ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb")
+        ("transformer", 2, p)
+        for p in ("whole-batch", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb", "zb-v")
     ]
     for r in rows:
         assert 0.0 < r["efficiency"] <= 1.5, r
@@ -177,7 +178,7 @@ def test_overhead_compares_the_six_loss_paths_with_their_efficiency(tmp_path: Pa
     assert "efficiency (ideal GPipe step / step)" in md and "| 1f1b |" in md and "| whole-batch |" in md
     assert "| zb-h1 |" in md and rows[3]["backward"] > 0 and rows[5]["backward"] > 0  # I and W count as backward
     assert "| interleaved-1f1b |" in md and len(data["raw"]["2"]["transformer"]["interleaved-1f1b"]["steps"]) >= 3
-    assert "| interleaved-zb |" in md
+    assert "| interleaved-zb |" in md and "| zb-v |" in md
 
 
 @pytest.mark.timeout(160)
@@ -196,6 +197,7 @@ def test_memory_schedules_1f1b_holds_fewer_micro_batches_than_gpipe_on_stage_0(t
     assert last["1f1b_mb"] > 0 and last["gpipe_mb"] > 0
     assert (first["zb-h1_inflight"], last["zb-h1_inflight"]) == (2, 2)
     assert 0.0 < first["zb-h1_mb"] < first["gpipe_mb"] and last["zb-h1_mb"] > 0
+    assert first["zb-v_mb"] > 0 and last["zb-v_mb"] > 0 and first["zb-v_inflight"] > 0  # two chunks per rank in a V
     (timing,) = data["time"]
     assert timing["gpipe_ms"] > 0 and timing["1f1b_ms"] > 0 and timing["time_ratio"] > 0
     assert timing["zb-h1_ms"] > 0 and timing["zb_time_ratio"] > 0

@@ -17,6 +17,7 @@ from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.comm.nccl_order import ENV
 from lightning_gpipe.pipe.dp.grads import sum_over_pipeline
 from lightning_gpipe.pipe.errors import PipelineError
+from lightning_gpipe.pipe.schedule.registry import lookup
 from lightning_gpipe.pipe.trace.gantt import block_label
 from tests.helpers import models
 from tests.helpers.launch import run_distributed
@@ -57,10 +58,12 @@ def micro_losses(target: torch.Tensor, sizes: list[int]) -> Any:
 def parity_run(
     make: Any, v: int, M: int, balance: Any, dtype: torch.dtype, optimizer: str, mode: str, K: int, schedule: str
 ) -> dict[str, Any]:
-    """Three optimizer steps interleaved (``schedule``) and on the plain model: the largest relative differences."""
+    """Three optimizer steps under ``schedule`` (its chunks placed as it needs) and on the plain model: the largest
+    relative differences."""
     model = make(dtype)
     ref = copy.deepcopy(model)
-    stage = GPipeStage(model, chunks=M, balance=balance, checkpoint=mode, virtual_stages=v)
+    placement = lookup(schedule).placement
+    stage = GPipeStage(model, chunks=M, balance=balance, checkpoint=mode, virtual_stages=v, placement=placement)
     make_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adam": lambda p: torch.optim.Adam(p, lr=0.01)}
     opt, ref_opt = make_opt[optimizer](stage.parameters()), make_opt[optimizer](ref.parameters())
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
@@ -91,9 +94,11 @@ def parity_run(
 
 
 def parity_worker(
-    rank: int, world_size: int, v: int, cases: list[tuple], schedule: str = "interleaved-1f1b"
+    rank: int, world_size: int, v: int, cases: list[tuple], schedule: str = "interleaved-1f1b", ordered: bool = False
 ) -> list[tuple[tuple, dict[str, Any]]]:
     warnings.simplefilter("ignore")  # N < M warns by design
+    if ordered:  # NCCL's ordering rules, modelled on gloo
+        os.environ[ENV] = "1"
     out = []
     for case in cases:
         make, M, balance, dtype, optimizer, mode = case

@@ -67,15 +67,17 @@ def worker(
         (3, 3, 2, 1, None, False, "interleaved-1f1b"),
         (4, 2, 2, 1, 0.05, True, "interleaved-zb"),  # each backward split, the weight gradients deferred
         (3, 3, 2, 2, None, False, "interleaved-zb"),
+        (4, 2, 2, 1, 0.05, True, "zb-v"),  # two chunks per rank in a V: the loss and the head on rank 0
+        (3, 3, 2, 2, None, False, "zb-v"),
     ],
 )
 def test_interleaved_fit_is_the_plain_run(
     world_size: int, pp: int, v: int, accumulate: int, clip: float | None, tied: bool, schedule: str, tmp_path: Any
 ) -> None:
     """Weights equal the plain Trainer's (≤ 1e-6) with accumulation and clipping, pp × dp (the ready buckets leave
-    during the last backward), a prefix tied to the head; every logged value on dp = 1; each rank holds the chunks
-    k, k + K of the 2K (the backbone's 8 layers solved for 2K parts), and the checkpoint file holds exactly the plain
-    module's keys."""
+    during the last backward), a prefix tied to the head; every logged value on dp = 1; each rank holds two chunks of
+    the 2K (the backbone's 8 layers solved for 2K parts; k, k + K interleaved, k and 2K − 1 − k in ZB-V's V, where
+    rank 0 holds the last stage), and the checkpoint file holds exactly the plain module's keys."""
     dp = world_size // pp
     args = (pp, v, accumulate, clip, tied, str(tmp_path), schedule)
     results = run_distributed(worker, world_size, *args, timeout=280, lightning=True)
@@ -133,10 +135,9 @@ def test_chunks_the_interleaved_schedule_refuses_fail_at_setup_on_every_rank() -
             {"schedule": "1f1b", "virtual_stages": 3},
             "GPipeStrategy(schedule='1f1b', virtual_stages=3): '1f1b' runs one stage per rank; use schedule='interl",
         ),
-        (  # simulated only (pipe/schedule/registry.py), refused until the runtime places chunks in a V
-            {"schedule": "zb-v", "virtual_stages": 2},
-            "schedule='zb-v' places each rank's two chunks in a V (rank r: stages r and 2K − 1 − r), which the "
-            "schedule simulator runs",
+        (
+            {"schedule": "zb-v"},
+            "GPipeStrategy(schedule='zb-v', virtual_stages=1): 'zb-v' runs v ≥ 2 stages per rank; use virtual_stages=2",
         ),
     ],
 )
@@ -159,3 +160,7 @@ def test_the_partition_table_lists_the_chunks_and_the_ranks_that_hold_them() -> 
     assert columns["Chunk"] == ["0a", "1a", "0b", "1b"]
     assert columns["Layers"] == ["0 (0)", "1–2 (1 … 2)", "3 (3)", "4–5 (4 … 5)"]
     assert columns["Ranks"] == ["rank 0", "rank 1", "rank 0", "rank 1"]
+    v = PartitionReport(whole, Plan([1, 2, 1, 2], "explicit"), [1, 2, 1, 2], None, ranks=2, placement="v")
+    assert "(virtual_stages=2: rank k holds stages k and 3 − k)" in v.header()
+    columns = dict(v.table(lambda k: f"rank {k}"))
+    assert columns["Chunk"] == ["0a", "1a", "1b", "0b"] and columns["Ranks"] == ["rank 0", "rank 1", "rank 1", "rank 0"]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from lightning_gpipe.pipe.comm import nccl_order
 from lightning_gpipe.pipe.comm.transport import LinkGroups, SkipGroups, skip_tags
+from lightning_gpipe.pipe.schedule.registry import Placement, rank_of
 
 
 def process_groups(
@@ -50,20 +52,23 @@ def data_timeout(timeout: timedelta) -> timedelta:
     return timeout + max(timedelta(seconds=30), timeout / 2)
 
 
-def links_of(K: int) -> list[tuple[int, int]]:
+def links_of(K: int, placement: Placement = "loop") -> list[tuple[int, int]]:
     """The directed pairs of a pipeline's K ranks that carry tensors: each rank to both its neighbours on the ring
-    (activations and gradients; an interleaved pipeline's hop from rank K − 1 to rank 0 and back), and the last
-    rank to every other (the shared output)."""
+    (activations and gradients; an interleaved pipeline's hop from rank K − 1 to rank 0 and back; a V has no hop),
+    and the last stage's rank (K − 1; rank 0 in a V) to every other (the shared output)."""
     pairs: list[tuple[int, int]] = []
     for k in range(K):
-        for peer in ((k + 1) % K, (k - 1) % K):
-            if peer != k and (k, peer) not in pairs:
+        for peer in ((k + 1) % K, (k - 1) % K) if placement == "loop" else (k + 1, k - 1):
+            if 0 <= peer < K and peer != k and (k, peer) not in pairs:
                 pairs.append((k, peer))
-    pairs += [(K - 1, j) for j in range(K - 1) if (K - 1, j) not in pairs]
+    last = rank_of(2 * K - 1, K, placement) if placement == "v" else K - 1  # the rank of the last stage
+    pairs += [(last, j) for j in range(K) if j != last and (last, j) not in pairs]
     return pairs
 
 
-def link_groups(group: dist.ProcessGroup, rank: int, K: int, timeout: timedelta) -> LinkGroups:
+def link_groups(
+    group: dist.ProcessGroup, rank: int, K: int, timeout: timedelta, placement: Placement = "loop"
+) -> LinkGroups:
     """Where transfers run in posting order (see ``runs_in_order``): a group over the two ranks of each link of
     ``links_of`` for its tensors, one per direction, so that no stage's receive waits behind its own send on one
     queue and no tensor travels on the pipeline's group (the world's at dp = 1, which every collective shares),
@@ -76,10 +81,11 @@ def link_groups(group: dist.ProcessGroup, rank: int, K: int, timeout: timedelta)
     ranks, backend = tuple(dist.get_process_group_ranks(group)), str(dist.get_backend(group))
     out: LinkGroups = {}
     # At K = 2 each direction carries activations and input gradients (interleaving's hop runs back along the
-    # other's link), which each end may post in its own order: a group for each kind.
-    kinds = (False, True) if K == 2 else (False,)
+    # other's link), in a V at every K (chunk a's activations go down beside chunk b's gradients), which each end
+    # may post in its own order: a group for each kind.
+    kinds = (False, True) if K == 2 or placement == "v" else (False,)
     for pipeline in _pipelines(ranks):
-        for src, dst in links_of(K):
+        for src, dst in links_of(K, placement):
             for gradients in kinds:
                 made = dist.new_group([pipeline[src], pipeline[dst]], backend=backend, timeout=data_timeout(timeout))
                 if pipeline == ranks and rank in (src, dst):
@@ -99,10 +105,10 @@ def _pipelines(ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def skip_groups(
-    group: dist.ProcessGroup, rank: int, pairs: list[tuple[int, int]], K: int, timeout: timedelta
+    group: dist.ProcessGroup, rank: int, pairs: list[tuple[int, int]], homes: Sequence[int], timeout: timedelta
 ) -> SkipGroups:
     """Where transfers run in posting order (see ``runs_in_order``): for each pair (s, p) of stages that long skips
-    cross (``skips.skip_pairs``; stage s on rank s % K) between this rank and another, a group over the two ranks
+    cross (``skips.skip_pairs``; stage s on rank ``homes[s]``) between this rank and another, a group over the two ranks
     for the skips and one for their gradients, by the data tag each carries (``transport.skip_tags``).
 
     Groups are made by every rank of the world in one order (a group made by its members alone would still advance
@@ -114,7 +120,7 @@ def skip_groups(
     out: SkipGroups = {}
     for pipeline in _pipelines(ranks):
         for i, (s, p) in enumerate(pairs):
-            a, b = s % K, p % K
+            a, b = homes[s], homes[p]
             if a == b:  # two virtual stages of one rank: handed over in the process
                 continue
             for tag in skip_tags(i):

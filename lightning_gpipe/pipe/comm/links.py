@@ -24,6 +24,9 @@ class Links:
         self.timeline = timeline
         # What a chunk hands another chunk of this rank: (from stage, to stage, m, whether gradients) -> tensors.
         self._handed: dict[tuple[int, int, int, bool], Any] = {}
+        # The same for activations and input gradients between adjacent stages of this rank (a V's middle), with
+        # their header's fields; apart from the skips, which may join the same two stages.
+        self._adjacent: dict[tuple[int, int, int, bool], tuple[Any, dict[str, Any]]] = {}
 
     def send(
         self, dst: int, obj: Any, micro_batch: int, chunk: int = -1, *, label: str = "", **kwargs: Any
@@ -35,17 +38,56 @@ class Links:
             self.transport.retire_sends()
         return metas
 
+    def hand(
+        self, src: int, dst: int, micro_batch: int, obj: Any, marks: list[bool], gradients: bool = False, **fields: Any
+    ) -> list[TensorMeta]:
+        """Hand ``obj`` from stage ``src`` to stage ``dst``, both on this rank, as :meth:`send` would deliver it: fresh
+        leaves, differentiated where ``marks`` say; :meth:`take` gives it with ``fields``."""
+        metas = [TensorMeta(t.dtype, tuple(t.shape), mark) for t, mark in zip(tensors(obj), marks)]
+        wants = iter(marks)
+        leaf = lambda t: t.detach().requires_grad_(next(wants) and differentiable(t))  # noqa: E731
+        self._adjacent[src, dst, micro_batch, gradients] = (
+            tree_map(lambda x: leaf(x) if isinstance(x, torch.Tensor) else x, obj),
+            fields,
+        )
+        return metas
+
+    def take(self, src: int, dst: int, m: int, gradients: bool = False) -> tuple[Any, dict[str, Any]]:
+        """What stage ``src`` handed stage ``dst`` (both on this rank) for micro-batch m, with its header's fields."""
+        key = src, dst, m, gradients
+        if key not in self._adjacent:
+            what = "output gradient" if gradients else "input"
+            raise RuntimeError(
+                f"stage {dst} needs micro-batch {m}'s {what} from stage {src}, on this rank, which has not run that "
+                "micro-batch yet: the schedule runs the two chunks of this rank out of order"
+            )
+        return self._adjacent.pop(key)
+
+    def post_take(self, src: int, dst: int, m: int) -> Any:
+        """The output gradient that stage ``src`` will hand stage ``dst`` (both on this rank) for micro-batch m, as a
+        posted receive gives it: ``wait()`` takes it."""
+        return _Taken(self, (src, dst, m))
+
     def receive(
-        self, m: int, training: bool, src: int | None = None, stage: int | None = None, chunk: int = -1
+        self,
+        m: int,
+        training: bool,
+        src: int | None = None,
+        stage: int | None = None,
+        chunk: int = -1,
+        local: bool = False,
     ) -> tuple[Any, dict[str, Any]]:
         """Micro-batch m's input from the previous stage, with its header fields: M, its size n, the step seed.
 
-        With several virtual stages per rank (interleaving) the previous stage ``stage - 1`` is on rank ``src``; by
-        default this rank is stage ``index`` and the previous one is rank ``index - 1``."""
+        With several virtual stages per rank the previous stage ``stage - 1`` is on rank ``src`` (``local``: on this
+        rank, handed over); by default this rank is stage ``index`` and the previous one is rank ``index - 1``."""
         src = self.index - 1 if src is None else src
         stage = self.index if stage is None else stage
-        with self.timeline.record("recv-wait", m, chunk=chunk):
-            x, fields = self.transport.recv(src, f"micro-batch {m}'s input")
+        if local:
+            x, fields = self.take(stage - 1, stage, m)
+        else:
+            with self.timeline.record("recv-wait", m, chunk=chunk):
+                x, fields = self.transport.recv(src, f"micro-batch {m}'s input")
         check_header(fields, m, stage - 1, stage, "input")
         if fields["training"] != training:
             modes = {True: "a training forward phase (grad enabled)", False: "a forward-only pass (no grad)"}
@@ -148,3 +190,13 @@ class _Handed:
 
     def wait(self) -> tuple[Any, dict[str, Any]]:
         return self.handed.pop(self.key), self.fields
+
+
+class _Taken:
+    """An output gradient that another chunk of this rank hands over (``Links.hand``), as a posted receive gives it."""
+
+    def __init__(self, links: Links, key: tuple[int, int, int]) -> None:
+        self.links, self.key = links, key
+
+    def wait(self) -> tuple[Any, dict[str, Any]]:
+        return self.links.take(*self.key, gradients=True)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe.comm.links import Links, check_header
-from lightning_gpipe.pipe.comm.transport import GRAD_TAG
+from lightning_gpipe.pipe.comm.transport import GRAD_TAG, TensorMeta
 from lightning_gpipe.pipe.context import MicroBatchInfo, running
 from lightning_gpipe.pipe.microbatch import (
     differentiable,
@@ -24,6 +24,7 @@ from lightning_gpipe.pipe.microbatch import (
 from lightning_gpipe.pipe.run.failures import FailureHandler
 from lightning_gpipe.pipe.run.records import MicroBatch, Step
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
+from lightning_gpipe.pipe.schedule.registry import Placement, rank_of
 from lightning_gpipe.pipe.skips import StageSkips
 from lightning_gpipe.pipe.split.boundary import check_boundary
 from lightning_gpipe.pipe.state.batchnorm import (
@@ -77,8 +78,9 @@ class Executor:
 
     ``layers`` is the stage's module (its parameters, its BatchNorm layers); ``run`` runs them on a micro-batch;
     ``producer`` names its last layer in boundary errors. ``links`` is None on a stage without peers. With several
-    virtual stages per rank (interleaving, ``virtual_stages``) each chunk has its executor: stage ``index`` of
-    ``num_stages`` = vK is chunk ``chunk`` of rank ``index % ranks``, its neighbours on ranks ``index ± 1`` mod K.
+    virtual stages per rank (``virtual_stages``) each chunk has its executor: stage ``index`` of ``num_stages`` = vK
+    is chunk ``chunk`` of rank ``rank_of(index)`` under ``placement`` (interleaved: ``index % ranks``), its neighbours
+    the stages ``index ± 1``; one on this rank too (a V's middle) is handed over, not sent.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Executor:
         ranks: int | None = None,
         chunk: int = -1,
         skips: StageSkips | None = None,
+        placement: Placement = "loop",
     ) -> None:
         self.layers = layers
         self.run = run
@@ -115,7 +118,12 @@ class Executor:
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self.ranks = K = num_stages if ranks is None else ranks
-        self.prev_rank, self.next_rank = (index - 1) % K, (index + 1) % K
+        self.placement = placement
+        self.rank, self.last_rank = rank_of(index, K, placement), rank_of(num_stages - 1, K, placement)
+        self.prev_rank = rank_of(index - 1, K, placement) if index > 0 else -1
+        self.next_rank = rank_of(index + 1, K, placement) if index < num_stages - 1 else -1
+        # The stage before (after) on this rank too: activations and gradients handed over in the process.
+        self.hands_back, self.hands_on = self.prev_rank == self.rank, self.next_rank == self.rank
         self.chunk = chunk  # -1: the rank's only chunk (events and messages name no chunk)
         self.skips = skips  # the long skips its layers stash and pop (skips.py); None: the backbone declares none
         self.seeds = StepSeeds()
@@ -123,11 +131,10 @@ class Executor:
     @property
     def place(self) -> str | None:
         """Which of the rank's virtual stages this is, as an error names it (None: the rank's only chunk)."""
-        return (
-            None
-            if self.chunk < 0
-            else f"its chunk {chr(ord('a') + self.chunk)}, the interleaved backbone's stage {self.index}"
-        )
+        if self.chunk < 0:
+            return None
+        backbone = "interleaved backbone" if self.placement == "loop" else "backbone in a V"
+        return f"its chunk {chr(ord('a') + self.chunk)}, the {backbone}'s stage {self.index}"
 
     def peers(self) -> Links:
         assert self.links is not None, "a stage with a neighbour has links"
@@ -135,12 +142,21 @@ class Executor:
 
     def receive(self, m: int, training: bool) -> tuple[Any, dict[str, Any]]:
         """Micro-batch m's input from the previous stage, with its header's fields."""
-        return self.peers().receive(m, training, self.prev_rank, self.index, self.chunk)
+        return self.peers().receive(m, training, self.prev_rank, self.index, self.chunk, local=self.hands_back)
 
     def receive_ahead(self, m: int) -> None:
         """Post micro-batch m's input receive now (``Links.receive_ahead``): the runner knows it is the next receive
-        from the previous stage's rank."""
-        self.peers().receive_ahead(m, self.prev_rank)
+        from the previous stage's rank. Nothing where that stage is on this rank."""
+        if not self.hands_back:
+            self.peers().receive_ahead(m, self.prev_rank)
+
+    def send_on(self, y: Any, micro_batch: int, marks: list[bool] | None = None, **fields: Any) -> list[TensorMeta]:
+        """A micro-batch's output to the next stage (``marks``: the tensors it differentiates; default: those that
+        require grad), sent or handed over; ``fields`` go in its header."""
+        marks = [t.requires_grad for t in tensors(y)] if marks is None else marks
+        if self.hands_on:
+            return self.peers().hand(self.index, self.index + 1, micro_batch, y, marks, **fields)
+        return self.peers().send(self.next_rank, y, micro_batch, self.chunk, requires_grad=marks, **fields)
 
     def poll(self) -> None:
         """Before queuing compute: the tensors of the receives posted ahead whose headers came, posted."""
@@ -197,7 +213,7 @@ class Executor:
         step.sizes.append(n)
         fields: dict[str, Any] = {"m": m, "M": M, "n": n, "training": True, "seed": step.seed, "stage": self.index}
         if not self.is_last:
-            mb.metas = self.peers().send(self.next_rank, y, m, self.chunk, requires_grad=marks, **fields)
+            mb.metas = self.send_on(y, m, marks, **fields)
             if ckpt:
                 mb.output = None
         for dst, values in skips_out.items():
@@ -224,7 +240,9 @@ class Executor:
         mb = step.micro[m]
         pending = None
         c = self.chunk
-        if not self.is_last:
+        if self.hands_on:
+            pending = self.peers().post_take(self.index + 1, self.index, m)
+        elif not self.is_last:
             expect = [meta for meta, mark in zip(mb.metas, mb.marks) if mark]
             what = f"micro-batch {m}'s output gradient"
             pending = self.peers().transport.post_recv(self.next_rank, what, expect=expect, tag=GRAD_TAG)
@@ -267,7 +285,11 @@ class Executor:
         grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
         skips_in = mb.skips_in
         step.micro[m] = MicroBatch(None, None, None, [])  # free this micro-batch's memory now
-        if not self.is_first:
+        if self.hands_back:
+            self.peers().hand(
+                self.index, self.index - 1, m, grads_in, [False] * len(grads_in), True, m=m, stage=self.index
+            )
+        elif not self.is_first:
             marks = [False] * len(grads_in)
             self.peers().send(
                 self.prev_rank,

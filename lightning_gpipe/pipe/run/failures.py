@@ -30,10 +30,12 @@ class FailureHandler:
         timeline: Timeline,
         ring: bool = False,
         skip_notices: tuple[tuple[int, int], ...] = (),
+        last: int | None = None,
     ) -> None:
         self._index = index
         self._num_stages = num_stages
         self._ring = ring  # interleaving: rank 0 also waits for the last rank and the last rank for rank 0
+        self._last = num_stages - 1 if last is None else last  # the rank of the last stage (rank 0 in a V)
         # (rank, tag): where a peer may wait for a long skip or its gradient from this rank (skips.py)
         self._skip_notices = skip_notices
         self._links = links
@@ -103,10 +105,10 @@ class FailureHandler:
         for dst, tag in self._skip_notices:
             if dst != err.via:
                 self._notify(links, dst, err, tag=tag)
-        last = self._index == self._num_stages - 1
-        if last and output_mode != "last" and phase in ("forward", "evaluation"):
-            for dst in range(self._num_stages - 1):
-                self._notify(links, dst, err, tag=OUTPUT_TAG)
+        if self._index == self._last and output_mode != "last" and phase in ("forward", "evaluation"):
+            for dst in range(self._num_stages):
+                if dst != self._last:
+                    self._notify(links, dst, err, tag=OUTPUT_TAG)
         # Transfers posted ahead (a gradient's receive whose header brought the error) are never matched now.
         links.transport.abort_data()
         # Every stage that raises meets the others here, which also keeps this process alive until its notices are
@@ -121,15 +123,16 @@ class FailureHandler:
             links.transport.send_error(dst, err, tag=tag)
 
 
-def skip_notices(skips: list[StageSkips] | None, rank: int, K: int) -> tuple[tuple[int, int], ...]:
+def skip_notices(skips: list[StageSkips] | None, rank: int) -> tuple[tuple[int, int], ...]:
     """(rank, tag): each wait for a long skip, or its gradient, from this rank on another (see ``FailureHandler``)."""
     if skips is None:
         return ()
     notices = set()
     for i, (s, p) in enumerate(skip_pairs(skips)):
         forward, backward = skip_tags(i)
-        if s % K == rank != p % K:
-            notices.add((p % K, forward))
-        if p % K == rank != s % K:
-            notices.add((s % K, backward))
+        a, b = skips[s].rank_of(s), skips[p].rank_of(p)
+        if a == rank != b:
+            notices.add((b, forward))
+        if b == rank != a:
+            notices.add((a, backward))
     return tuple(sorted(notices))

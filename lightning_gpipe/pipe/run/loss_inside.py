@@ -4,9 +4,11 @@ The schedules are data (``pipe.schedule.registry``: each rank's ordered actions,
 registered one: "gpipe" and "1f1b" (F m and B m on one chunk per rank), "zb-h1" (B m split into I m and W m:
 ``pipe.run.weight_grad`` defers the weight gradients of the micro-batch's linear, convolution and embedding ops from
 I to W; where W m follows I m at once, as on rank 0, the two run as one B m: ``registry.fuse_halves``) and
-"interleaved-1f1b" (F m and B m on each of the rank's v virtual stages, one executor per chunk: chunk c of rank r is
-stage cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk c + 1, and its gradient comes back), after
-``pipe.schedule.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout
+"interleaved-1f1b" and "interleaved-zb" (F m and B m, or I m and W m, on each of the rank's v virtual stages, one
+executor per chunk: chunk c of rank r is stage cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk
+c + 1, and its gradient comes back) and "zb-v" (two chunks per rank in a V, stages r and 2K − 1 − r: micro-batch m goes
+down the ranks and back up, rank K − 1 hands it from its chunk a to its chunk b in the process, and the loss is on rank
+0, which holds the last stage; ``GPipeStage(placement="v")``), after ``pipe.schedule.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout
 under NCCL's ordering rules.
 
 Each stage runs its actions in order. Sends never block the host; a forward waits for its input and a backward for
@@ -29,7 +31,15 @@ from lightning_gpipe.pipe.microbatch import join_input_grads, plan_sizes, split_
 from lightning_gpipe.pipe.run.executor import Executor, Pairs, settle, wait_sends
 from lightning_gpipe.pipe.run.records import Step
 from lightning_gpipe.pipe.run.weight_grad import WeightGrads
-from lightning_gpipe.pipe.schedule.registry import Action, ScheduleName, executed, inputs_ahead, keeps_graph, lookup
+from lightning_gpipe.pipe.schedule.registry import (
+    Action,
+    Placement,
+    ScheduleName,
+    executed,
+    inputs_ahead,
+    keeps_graph,
+    lookup,
+)
 from lightning_gpipe.pipe.schedule.simulator import simulate
 from lightning_gpipe.pipe.state.batchnorm import check_replicas_run_the_same_m, commit_deferred_batch_norm
 from lightning_gpipe.pipe.state.rng import restored_streams
@@ -38,36 +48,40 @@ from lightning_gpipe.pipe.state.rng import restored_streams
 LossFn = Callable[[Any, int], torch.Tensor]
 
 
-def check_schedule(schedule: ScheduleName, K: int, M: int, v: int) -> None:
+def check_schedule(schedule: ScheduleName, K: int, M: int, v: int, placement: Placement = "loop") -> None:
     """The registry's clear ValueError when ``schedule`` refuses v virtual stages per rank, or M micro-batches on K;
-    and one for a schedule whose chunks the runtime cannot place yet."""
-    check_placement(schedule)
+    and one when it places a rank's chunks otherwise than the stage holds them (``placement``)."""
+    check_placement(schedule, placement, v)
     lookup(schedule).actions(K, M, v)
 
 
-def check_placement(schedule: ScheduleName) -> None:
-    """The runtime places a rank's chunks as interleaving does (stage c·K + r); a V (ZB-V's) is simulated only."""
-    if lookup(schedule).placement != "loop":
+def check_placement(schedule: ScheduleName, placement: Placement, v: int) -> None:
+    """A schedule runs on the chunks where the stage placed them at construction (``registry.Placement``)."""
+    wants = lookup(schedule).placement
+    if v > 1 and wants != placement:
+        held = {"loop": "interleaved (rank r: stages r, r + K, …)", "v": "in a V (rank r: stages r and 2K − 1 − r)"}
         raise ValueError(
-            f"schedule={schedule!r} places each rank's two chunks in a V (rank r: stages r and 2K − 1 − r), which "
-            "the schedule simulator runs (pipe/schedule/registry.py) but the runtime does not place yet; use "
-            "'zb-h1' or 'interleaved-1f1b'"
+            f"schedule={schedule!r} runs each rank's chunks {held[wants]}, but this stage holds them "
+            f"{held[placement]}; build the stage with GPipeStage(placement={wants!r}) to run it"
         )
 
 
 @lru_cache(maxsize=64)
-def rank_actions(schedule: ScheduleName, K: int, M: int, v: int = 1) -> tuple[tuple[Action, ...], ...]:
+def rank_actions(
+    schedule: ScheduleName, K: int, M: int, v: int = 1, placement: Placement = "loop"
+) -> tuple[tuple[Action, ...], ...]:
     """Every rank's actions under ``schedule``, once the simulator found them valid and free of deadlocks."""
     actions = executed(schedule, K, M, v)
-    simulate(actions, K, v)
+    simulate(actions, K, v, placement=placement)
     return tuple(tuple(ops) for ops in actions)
 
 
 @lru_cache(maxsize=64)
 def _inputs_ahead(schedule: ScheduleName, K: int, M: int, v: int, r: int) -> dict[int, Action]:
     """Rank r's F whose input it receives ahead, by the position of the F after whose input it is posted."""
-    ops = rank_actions(schedule, K, M, v)[r]
-    return {pos: ops[later] for pos, later in inputs_ahead(ops, K, r, v).items()}
+    placement = lookup(schedule).placement
+    ops = rank_actions(schedule, K, M, v, placement)[r]
+    return {pos: ops[later] for pos, later in inputs_ahead(ops, K, r, v, placement).items()}
 
 
 def forward_backward(
@@ -89,7 +103,7 @@ def forward_backward(
     under "zb-h1": the gradients that I gives are final before it, the deferred ones come in it).
     """
     first, v = executors[0], len(executors)
-    K, r = first.ranks, first.index
+    K, r, placement = first.ranks, first.index, lookup(schedule).placement
     seed = first.seeds.draw()
     losses: list[torch.Tensor] = []
     with first.failures.phase("train", "last") as where, restored_streams(first.device):
@@ -99,7 +113,7 @@ def forward_backward(
         steps = [Step([], input_leaves=input_leaves if s.is_first else [], seed=seed) for s in executors]
         for s in executors:
             s.stateful_buffers.begin()
-        ops = rank_actions(schedule, K, len(sizes), v)[r] if first.is_first else None
+        ops = rank_actions(schedule, K, len(sizes), v, placement)[r] if first.is_first else None
         input_grads: list[list[torch.Tensor]] = [[] for _ in sizes]
         weights: list[WeightGrads | None] = [None] * v
 
@@ -122,7 +136,7 @@ def forward_backward(
                         x, got = s.receive(m, training=True)
                         M, n, step.seed = got["M"], got["n"], got["seed"]
                     if ops is None:  # the first header told this rank M
-                        ops = rank_actions(schedule, K, M, v)[r]
+                        ops = rank_actions(schedule, K, M, v, placement)[r]
                         input_grads = [[] for _ in range(M)]
                     if (later := _inputs_ahead(schedule, K, M, v, r).get(pos)) is not None:
                         executors[later.c].receive_ahead(later.m)

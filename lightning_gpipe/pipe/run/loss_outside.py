@@ -22,7 +22,9 @@ Under ``except_last`` the last micro-batch keeps its graph: its backward comes f
 
 With v virtual stages per rank (``virtual_stages``: rank r holds stages r, r + K, …) the phases run the rank's virtual
 stages one after the other, each as above: a forward phase around the ring v times (rank K − 1 hands micro-batch m of
-chunk c to rank 0's chunk c + 1), a backward phase back, the last chunk first.
+chunk c to rank 0's chunk c + 1), a backward phase back, the last chunk first. In a V (rank r holds stages r and
+2K − 1 − r) the forward phase goes down the ranks and back up (rank K − 1 hands each micro-batch from its chunk a to
+its chunk b in the process) and the last stage is on rank 0.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def forward_phase(executors: Sequence[Executor], input: Any, M: int, output_mode
             steps.append(step)
         where[:] = None, None  # the output's sharing is no micro-batch's
         output = join_outputs(steps[-1], batch_dim) if executors[-1].is_last else None
-        output = share_output(output, output_mode, first.links, first.ranks, first.device)
+        output = share_output(output, output_mode, first.links, first.ranks, first.device, first.last_rank)
         settle(first, where, status=output_mode == "last")  # else the shared output told how the phase ended
     return steps, output
 
@@ -167,7 +169,7 @@ def evaluate(
                 if s.is_last:
                     outs.append(y)
                 else:
-                    s.peers().send(s.next_rank, y, m, s.chunk, **fields)
+                    s.send_on(y, m, **fields)
                 for dst, values in skips_out.items():
                     s.peers().send_skips(dst, values, [False] * len(tensors(values)), s.chunk, fields, s.routes())
             commit_deferred_batch_norm(s.layers)
@@ -176,7 +178,7 @@ def evaluate(
         if head is not None:
             output_mode = "all"
             output = head(output) if output is not None else None
-        output = share_output(output, output_mode, first.links, first.ranks, first.device)
+        output = share_output(output, output_mode, first.links, first.ranks, first.device, first.last_rank)
         settle(first, where, status=output_mode == "last")
     wait_sends(first)
     return output

@@ -31,22 +31,26 @@ def join_outputs(step: Step, batch_dim: int) -> Any:
     return joined
 
 
-def share_output(output: Any, mode: OutputMode, links: Links | None, num_stages: int, device: torch.device) -> Any:
-    """``mode="all"``: every stage gets the last stage's output, so all can compute the same loss.
-    ``"placeholder"``: the others get zeros of its structure, shapes and dtypes (a header, no tensor data);
-    ``"first"``: stage 0 gets the output, the others such zeros (predictions, kept on stage 0)."""
-    if mode == "last" or num_stages == 1:
+def share_output(
+    output: Any, mode: OutputMode, links: Links | None, K: int, device: torch.device, last: int | None = None
+) -> Any:
+    """``mode="all"``: every rank of the K gets the output of the last stage (on rank ``last``, default K − 1), so
+    all can compute the same loss. ``"placeholder"``: the others get zeros of its structure, shapes and dtypes (a
+    header, no tensor data); ``"first"``: rank 0 gets the output, the others such zeros (predictions, kept on rank
+    0, which holds the last stage too in a V)."""
+    last = K - 1 if last is None else last
+    if mode == "last" or K == 1:
         return output
     assert links is not None, "a pipeline of several stages has links"
-    if links.index == num_stages - 1:
+    if links.index == last:
         marks, hollow = [t.requires_grad for t in tensors(output)], tree_map(Placeholder.of, output)
-        for dst in range(num_stages - 1):
+        for dst in (k for k in range(K) if k != last):
             if mode == "all" or (mode == "first" and dst == 0):
                 links.send(dst, output, -1, requires_grad=marks, tag=OUTPUT_TAG)
             else:
                 links.send(dst, hollow, -1, tag=OUTPUT_TAG)
         return output
-    shared = links.receive_output(num_stages - 1)
+    shared = links.receive_output(last)
     return tree_map(lambda leaf: leaf.zeros(device) if isinstance(leaf, Placeholder) else leaf, shared)
 
 

@@ -49,13 +49,21 @@ class LayerIndex:
     never registered, so state dicts and named_modules only ever see this stage's own layers.
     """
 
-    def __init__(self, module: nn.Sequential, balance: list[int], index: int, stages: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: list[int],
+        index: int,
+        stages: Sequence[int] = (),
+        homes: Sequence[int] = (),
+    ) -> None:
         self._names = list(module._modules)
         self._kinds = [type(layer).__name__ for layer in module]
         self._balance = balance
         self._index = index
         # The stages this rank holds: ``index`` alone, or its virtual stages (interleaving: a count each in balance).
         self._stages = list(stages) or [index]
+        self._homes = list(homes) or list(range(len(balance)))  # the rank of each stage
         self._remote: dict[int, RemoteLayer] = {}
 
     def __len__(self) -> int:
@@ -101,5 +109,5 @@ class LayerIndex:
         held = ", ".join(f"layer {r[0]}" if len(r) == 1 else f"layers {r[0]}–{r[-1]}" for r in self.layer_ranges)
         if len(self._stages) == 1:
             return f"{self.label(i)} is on stage {owner}; this rank is stage {self._index} and holds {held}"
-        K = len(self._balance) // len(self._stages)
-        return f"{self.label(i)} is on rank {owner % K} (stage {owner}); this rank is {self._index} and holds {held}"
+        rank = self._homes[owner]
+        return f"{self.label(i)} is on rank {rank} (stage {owner}); this rank is {self._index} and holds {held}"

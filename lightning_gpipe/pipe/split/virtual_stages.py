@@ -1,5 +1,6 @@
-"""Interleaving (``virtual_stages`` = v ≥ 2): the v virtual stages a rank holds, rank r the stages r, r + K, …, r +
-(v−1)K; and the split of a backbone into vK stages (v = 1: K) for the shortest simulated step."""
+"""Virtual stages (v ≥ 2 per rank): the stages a rank holds -- interleaved, rank r the stages r, r + K, …, r +
+(v−1)K, or in a V, stages r and 2K − 1 − r (``registry.Placement``) -- and the split of a backbone into vK stages
+(v = 1: K) for the shortest simulated step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gpipe.pipe.schedule.registry import Action, executed, lookup
+from lightning_gpipe.pipe.schedule.registry import Action, Placement, chunk_of, executed, lookup, rank_of, stage_of
 from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from lightning_gpipe.pipe.split.balance import Balance, agree_on_balance, local_name, shared_parameters, solve
 
@@ -26,25 +27,36 @@ SIMULATED_ACTIONS = 200_000
 SIMULATION_TOLERANCE = 0.02
 
 
-def held_stages(rank: int, K: int, v: int) -> list[int]:
-    """The stages (of vK) that rank ``rank`` of K holds, in order: chunk c is stage c·K + rank."""
-    return [c * K + rank for c in range(v)]
+def held_stages(rank: int, K: int, v: int, placement: Placement = "loop") -> list[int]:
+    """The stages (of vK) that rank ``rank`` of K holds, in order: chunk c is stage c·K + rank, or in a V rank and
+    2K − 1 − rank."""
+    return [stage_of(c, rank, K, placement) for c in range(v)]
 
 
-def rank_holders(stages: Sequence[int], K: int) -> tuple[int, ...]:
+def homes(K: int, v: int, placement: Placement = "loop") -> tuple[int, ...]:
+    """The rank of each of the vK stages."""
+    return tuple(rank_of(s, K, placement) for s in range(v * K))
+
+
+def rank_holders(stages: Sequence[int], K: int, placement: Placement = "loop") -> tuple[int, ...]:
     """The ranks that hold ``stages`` (of vK): a weight tied across two stages of one rank is one parameter there."""
-    return tuple(sorted({s % K for s in stages}))
+    return tuple(sorted({rank_of(s, K, placement) for s in stages}))
 
 
 def shared_over_ranks(
-    module: nn.Sequential, balance: Sequence[int], K: int, rank: int, layers: list[tuple[str, nn.Module]]
+    module: nn.Sequential,
+    balance: Sequence[int],
+    K: int,
+    rank: int,
+    layers: list[tuple[str, nn.Module]],
+    placement: Placement = "loop",
 ) -> list[tuple[str, tuple[int, ...], str | None]]:
     """Tied weights used on several ranks: (first name, the ranks holding it, the name of one of its uses among
-    ``layers``, this rank's, or None); ``balance`` has a count per stage (vK with interleaving)."""
+    ``layers``, this rank's, or None); ``balance`` has a count per stage (vK with virtual stages)."""
     return [
         (name, ranks, local_name(layers, module.get_parameter(name)) if rank in ranks else None)
         for name, stages in shared_parameters(module, balance)
-        if len(ranks := rank_holders(stages, K)) > 1
+        if len(ranks := rank_holders(stages, K, placement)) > 1
     ]
 
 
@@ -62,6 +74,20 @@ def check_virtual_stages(v: object, K: int) -> int:
             "virtual_stages=1"
         )
     return v
+
+
+def checked_placement(placement: object, v: int) -> Placement:
+    """``placement`` as given, or a clear ValueError: a V holds two chunks per rank."""
+    if placement not in ("loop", "v"):
+        raise ValueError(
+            f"placement={placement!r}: 'loop' (rank r holds stages r, r + K, …) or 'v' (rank r holds stages r and "
+            "2K − 1 − r, for schedule='zb-v')"
+        )
+    if placement == "v" and v != 2:
+        raise ValueError(
+            f"placement='v' holds two stages per rank (r and 2K − 1 − r), but virtual_stages={v}; use virtual_stages=2"
+        )
+    return placement
 
 
 def solve_virtual_stages(
@@ -92,8 +118,10 @@ def solve_virtual_stages(
 
     def step(cuts: Sequence[int]) -> float:
         counts = [b - a for a, b in zip([0, *cuts], [*cuts, L])]
-        return simulate(actions, K, v, _chunk_costs(costs, counts, K), checkpoint=checkpoint).makespan
+        return simulate(actions, K, v, _chunk_costs(costs, counts, K, placement), **how).makespan
 
+    placement = lookup(schedule).placement
+    how: dict[str, Any] = {"checkpoint": checkpoint, "placement": placement}
     best_cuts = list(itertools.accumulate(start))[:-1]
     best = start_step = step(best_cuts)
     budget = max(1, SIMULATED_ACTIONS // sum(map(len, actions)))  # simulations
@@ -132,18 +160,22 @@ def simulated_step(
     schedule: str = "interleaved-1f1b",
 ) -> float:
     """The step ``solve_virtual_stages`` weighs for the split ``counts``, in the costs' unit."""
-    actions = _admitted_actions(K, M, v, schedule)
-    return simulate(actions, K, v, _chunk_costs(costs, counts, K), checkpoint=checkpoint).makespan
+    actions, placement = _admitted_actions(K, M, v, schedule), lookup(schedule).placement
+    chunks = _chunk_costs(costs, counts, K, placement)
+    return simulate(actions, K, v, chunks, checkpoint=checkpoint, placement=placement).makespan
 
 
-def _chunk_costs(costs: Sequence[float], counts: Sequence[int], K: int) -> dict[tuple[int, int], Costs]:
+def _chunk_costs(
+    costs: Sequence[float], counts: Sequence[int], K: int, placement: Placement = "loop"
+) -> dict[tuple[int, int], Costs]:
     """Per (rank, chunk): a chunk of layers of cost c runs F = c/3, B = 2c/3, I = W = c/3, R = F (a layer's backward
     is about twice its forward; only the ratios matter)."""
     out, start = {}, 0
     for s, n in enumerate(counts):
         c = float(sum(costs[start : start + n]))
         start += n
-        out[s % K, s // K] = Costs(F=c / 3, B=2 * c / 3, I=c / 3, W=c / 3, R=c / 3)
+        where = rank_of(s, K, placement), chunk_of(s, K, placement)
+        out[where] = Costs(F=c / 3, B=2 * c / 3, I=c / 3, W=c / 3, R=c / 3)
     return out
 
 
@@ -166,12 +198,14 @@ def agree_on_virtual_stages(
     group: dist.ProcessGroup | None,
     M: int = 8,
     checkpoint: Checkpoint = "except_last",
+    schedule: str = "interleaved-1f1b",
 ) -> list[int]:
     """The layer counts of the vK stages (virtual stages), the same on every rank (see ``agree_on_balance``); with v ≥
-    2, a balance solved from costs is the split with the shortest simulated step (``solve_virtual_stages``)."""
+    2, a balance solved from costs is the split with the shortest simulated step under ``schedule``
+    (``solve_virtual_stages``)."""
 
     def interleaved(costs: Sequence[float], S: int) -> list[int]:
-        return solve_virtual_stages(costs, K, v, M, checkpoint)
+        return solve_virtual_stages(costs, K, v, M, checkpoint, schedule)
 
     try:
         return agree_on_balance(
@@ -180,9 +214,10 @@ def agree_on_virtual_stages(
     except ValueError as e:
         if v == 1:
             raise
+        held = f"r and {2 * K - 1} − r" if lookup(schedule).placement == "v" else f"r, r + {K}, …"
         raise ValueError(
             f"{e} (virtual_stages={v}: the pipeline's stages are its K·v = {K}·{v} = {K * v} virtual stages, rank r "
-            f"holding stages r, r + {K}, …; a balance gives one layer count per virtual stage)"
+            f"holding stages {held}; a balance gives one layer count per virtual stage)"
         ) from e
 
 

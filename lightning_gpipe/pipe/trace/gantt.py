@@ -34,8 +34,11 @@ def block_label(e: Event) -> str:
     return f"{letter}{e.micro_batch}{chunk_letter(e.chunk)}" if letter and e.micro_batch >= 0 else ""
 
 
-def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str = "") -> dict[str, Any]:
-    """Draw ``events`` (every stage of one pipeline, one step) to ``path``; returns :func:`breakdown`'s statistics.
+def plot_timeline(
+    events: Sequence[Event], path: str | os.PathLike, title: str = "", placement: str = "loop"
+) -> dict[str, Any]:
+    """Draw ``events`` (every stage of one pipeline, one step) to ``path``; returns :func:`breakdown`'s statistics
+    (``placement``: where each rank's chunks sit).
 
     Needs matplotlib (``pip install "lightning-gpipe[timeline]"``).
     """
@@ -49,7 +52,7 @@ def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str =
         message = "drawing a pipeline timeline needs matplotlib: pip install 'lightning-gpipe[timeline]'"
         raise ImportError(message) from missing
 
-    stats = breakdown(events)
+    stats = breakdown(events, placement)
     origin = min(e.start_ns for e in events)
     stages = sorted({e.stage for e in events})
     span_ms = stats["span_ms"]

@@ -33,16 +33,20 @@ def _phase_of(e: Event, phases: list[Event]) -> str:
     return next((p.label for p in phases if p.stage == e.stage and p.start_ns <= e.start_ns <= p.end_ns), "")
 
 
-def _sender(e: Event, K: int) -> tuple[int, int]:
+def _sender(e: Event, K: int, placement: str = "loop") -> tuple[int, int]:
     """The rank and chunk that sent what receive-wait ``e`` waited for: a gradient (label ``"gradient"``) comes
     from the next stage, an input from the previous one; with virtual stages (interleaving) across the ring's seam, from
-    the neighbouring chunk (rank K − 1's chunk c feeds rank 0's chunk c + 1)."""
+    the neighbouring chunk (rank K − 1's chunk c feeds rank 0's chunk c + 1). In a V (``placement="v"``) chunk a's
+    come as interleaving's and chunk b's from the other side (rank r's chunk b feeds rank r − 1's)."""
+    if placement == "v":
+        down = (e.label == "gradient") == (e.chunk == 0)  # from the rank below
+        return (e.stage + 1 if down else e.stage - 1), e.chunk
     if e.label == "gradient":
         return (e.stage + 1, e.chunk) if e.stage + 1 < K else (0, e.chunk + 1)
     return (e.stage - 1, e.chunk) if e.stage > 0 else (K - 1, e.chunk - 1)
 
 
-def transfer_ns(events: Sequence[Event]) -> dict[int, int]:
+def transfer_ns(events: Sequence[Event], placement: str = "loop") -> dict[int, int]:
     """Per stage, the part of its receive waits spent on the transfer itself: from when the peer started sending (or
     the wait began, if later) to the wait's end. The rest of a wait is the peer still computing -- the bubble."""
     phases = [e for e in events if e.kind == "step"]
@@ -60,14 +64,14 @@ def transfer_ns(events: Sequence[Event]) -> dict[int, int]:
         if e.label == "output" or (phase in ("forward", "evaluation") and e.micro_batch < 0):
             src, chunk = max(p.stage for p in phases), -1  # the last stage shares the output
         else:
-            src, chunk = _sender(e, K)
+            src, chunk = _sender(e, K, placement)
         sent = sends.get((src, chunk, phase, e.micro_batch, e.label == "gradient"))
         if sent is not None:
             out[e.stage] = out.get(e.stage, 0) + max(e.end_ns - max(sent, e.start_ns), 0)
     return out
 
 
-def breakdown(events: Sequence[Event]) -> dict[str, Any]:
+def breakdown(events: Sequence[Event], placement: str = "loop") -> dict[str, Any]:
     """Shares of a traced step, per stage and averaged, from the events of every stage of one pipeline.
 
     ``span``: from the first event to the last on any stage. ``pipeline span``: from the first forward phase's
@@ -82,7 +86,8 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
     ``efficiency`` is the ideal GPipe step over the measured one: all the step's work (every stage's forward,
     recompute, backward and update, and the loss once: the last stage's) spread evenly over the K stages and
     stretched by GPipe's fill and drain, (M+K−1)/M, against ``span``. 1.0 means nothing but GPipe's own bubble;
-    work done twice (the loss on every stage) counts once, so duplicated work lowers it too.
+    work done twice (the loss on every stage) counts once, so duplicated work lowers it too. ``placement``: where
+    each rank's chunks sit (``registry.Placement``), which tells who sent what a receive waited for.
     """
     if not events:
         raise ValueError("no events: was the timeline enabled during the step?")
@@ -95,7 +100,7 @@ def breakdown(events: Sequence[Event]) -> dict[str, Any]:
     p_start, p_end = min(fwd), max(bwd)
     span, p_span = end - start, max(p_end - p_start, 1)
     M = max((e.micro_batch for e in events if e.kind == "forward"), default=-1) + 1
-    transfers = transfer_ns(events)
+    transfers = transfer_ns(events, placement)
     per_stage: dict[int, dict[str, float]] = {}
     for k in stages:
         mine = [e for e in events if e.stage == k and e.kind != "step"]
