@@ -8,8 +8,8 @@ I to W; where W m follows I m at once, as on rank 0, the two run as one B m: ``r
 executor per chunk: chunk c of rank r is stage cK + r, so micro-batch m leaves rank K − 1's chunk c for rank 0's chunk
 c + 1, and its gradient comes back) and "zb-v" (two chunks per rank in a V, stages r and 2K − 1 − r: micro-batch m goes
 down the ranks and back up, rank K − 1 hands it from its chunk a to its chunk b in the process, and the loss is on rank
-0, which holds the last stage; ``GPipeStage(placement="v")``), after ``pipe.schedule.simulator`` checked them (once per schedule, K, M and v) in the transport's communicator layout
-under NCCL's ordering rules.
+0, which holds the last stage; ``GPipeStage(placement="v")``), after ``pipe.schedule.simulator`` checked them (once
+per schedule, K, M and v) in the transport's communicator layout under NCCL's ordering rules.
 
 Each stage runs its actions in order. Sends never block the host; a forward waits for its input and a backward for
 its output gradient (posted before the recompute, which fills the wait, as in the fill/drain schedule).
