@@ -201,15 +201,17 @@ def verify(
     want = torch.load(final, map_location="cpu", weights_only=False)["state_dict"]
     losses = {"pipelined": arrange.losses}
     runs: dict[str, Any] = {"plain": "auto"}
-    if strategy.chunks > 1:  # the same micro-batches in one process: what micro-batching alone changes
+    M = strategy.chunks  # as the fit ran it ("auto" resolved at its setup)
+    assert isinstance(M, int), "the pipelined fit resolved chunks"
+    if M > 1:  # the same micro-batches in one process: what micro-batching alone changes
         runs["one stage"] = GPipeStrategy(
-            chunks=strategy.chunks,
+            chunks=M,
             pipeline_parallel_size=1,
             backbone=strategy.backbone,
             batch_dim=strategy.batch_dim,
             deferred_batch_norm=strategy.deferred_batch_norm,
             pipeline_loss=strategy.pipeline_loss,
-            schedule="1f1b" if strategy.schedule == "interleaved-1f1b" else strategy.schedule,
+            schedule=ONE_CHUNK.get(str(strategy.schedule), strategy.schedule),  # type: ignore[arg-type]
         )
     states: dict[str, dict[str, Tensor]] = {}
     gradients: dict[str, float] = {}
@@ -228,10 +230,12 @@ def verify(
     differences = _differences(want, states["plain"])
     by_micro_batching = _differences(want, states["one stage"]) if "one stage" in states else {}
     plain, one_stage = ({k: v for k, v in d.items() if k not in noise} for d in (differences, by_micro_batching))
-    verdict, explanation = _verdict(pipelined, plain, one_stage, tolerance, strategy.chunks)
+    verdict, explanation = _verdict(pipelined, plain, one_stage, tolerance, M)
     return Report(verdict, explanation, tolerance, losses, differences, by_micro_batching, noise)
 
 
+# A schedule of several chunks per rank, and its order on one chunk (a pipeline of one rank holds one).
+ONE_CHUNK = {"interleaved-1f1b": "1f1b", "interleaved-zb": "zb-h1", "zb-v": "zb-h1"}
 # A gradient this small against the largest one is rounding (float64's is 1e-16 of it): no gradient.
 _ROUNDING = 1e-10
 

@@ -47,6 +47,7 @@ def check_arguments(a: dict[str, Any]) -> tuple[int, ...]:
         a["balance"],
     )
     check_loss_path(a["pipeline_loss"], a["schedule"], a["virtual_stages"])
+    check_memory_budget(a["max_memory_per_stage"])
     if a["data_parallel_reduction"] not in DP_REDUCTIONS:
         raise ValueError(
             f"GPipeStrategy(data_parallel_reduction={a['data_parallel_reduction']!r}): choose one of "
@@ -78,14 +79,14 @@ def check_strategy_args(
     balance: Any = "auto",
 ) -> None:
     """GPipeStrategy's own arguments, at construction."""
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks, M, must be an int ≥ 1")
+    if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks, M, must be an int ≥ 1 or 'auto'")
     if pipeline_parallel_size != "auto" and (not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1):
         raise ValueError(f"GPipeStrategy(pipeline_parallel_size={pipeline_parallel_size!r}): give an int ≥ 1 or 'auto'")
-    if activation_checkpointing not in CHECKPOINT_MODES:
+    if activation_checkpointing not in (*CHECKPOINT_MODES, "auto"):
         raise ValueError(
             f"GPipeStrategy(activation_checkpointing={activation_checkpointing!r}): choose one of "
-            f"{list(CHECKPOINT_MODES)}"
+            f"{[*CHECKPOINT_MODES, 'auto']}"
         )
     if output not in ("all", "placeholder"):
         raise ValueError(f"GPipeStrategy(output={output!r}): choose 'all' or 'placeholder'")
@@ -138,14 +139,16 @@ def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) 
             f"GPipeStrategy(pipeline_loss={pipeline_loss!r}): choose 'auto' (inside the pipeline when the module "
             "defines the pipeline_loss hook), True or False"
         )
-    if schedule not in SCHEDULES:
-        raise ValueError(f"GPipeStrategy(schedule={schedule!r}): choose one of {list(SCHEDULES)}")
+    if schedule not in (*SCHEDULES, "auto"):
+        raise ValueError(f"GPipeStrategy(schedule={schedule!r}): choose one of {[*SCHEDULES, 'auto']}")
     v = virtual_stages
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise ValueError(
             f"GPipeStrategy(virtual_stages={v!r}): the stages of the backbone each rank holds, an int ≥ 1 (1: one "
-            "stage per rank; ≥ 2 with schedule='interleaved-1f1b')"
+            "stage per rank; ≥ 2 with schedule='interleaved-1f1b') or 'auto'"
         )
+    if "auto" in (schedule, v):  # the plan chooses among what the other accepts (_auto_plan.py)
+        return
     spec = lookup(schedule)
     if not spec.accepts(v):
         fix = "schedule='interleaved-1f1b'" if v > 1 else "virtual_stages=2 or more (or another schedule)"
@@ -154,6 +157,19 @@ def check_loss_path(pipeline_loss: Any, schedule: Any, virtual_stages: Any = 1) 
             + ("one stage per rank" if spec.v_max == 1 else f"v ≥ {spec.v_min} stages per rank")
             + f"; use {fix}"
         )
+
+
+def check_memory_budget(budget: Any) -> None:
+    """``max_memory_per_stage``: None, bytes (an int ≥ 1) or a fraction of the device's memory (a float in (0, 1])."""
+    if budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1):
+        return
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return
+    raise ValueError(
+        f"GPipeStrategy(max_memory_per_stage={budget!r}): the memory each rank's stage may peak at, for the plan of "
+        "schedule/chunks/virtual_stages/activation_checkpointing='auto': bytes (an int ≥ 1), a fraction of the "
+        "device's memory (a float in (0, 1]), or None (no limit)"
+    )
 
 
 def check_interleaving(K: int, chunks: int, schedule: ScheduleName, virtual_stages: int) -> None:

@@ -31,8 +31,16 @@ MEASURES = {
     "parameters": "parameter count",
     "explicit": "the given layer counts (cost shown: parameter count)",
     "function": "the given cost function",
+    "planned": "the 'auto' plan (the shortest simulated step of the forward + backward times measured on rank 0)",
 }
-UNITS = {"flops": "FLOPs", "time": "s", "parameters": "parameters", "explicit": "parameters", "function": "cost"}
+UNITS = {
+    "flops": "FLOPs",
+    "time": "s",
+    "parameters": "parameters",
+    "explicit": "parameters",
+    "function": "cost",
+    "planned": "s",
+}
 
 
 def no_example(kind: str) -> str:

@@ -61,6 +61,7 @@ class StageOptions:
     pipeline_loss: bool = False  # the module's pipeline_loss hook will run inside the pipeline
     schedule: ScheduleName = "gpipe"
     virtual_stages: int = 1  # v virtual stages per rank: the backbone in vK stages
+    planned_costs: list[float] | None = None  # the layers' costs on which "auto" planned ``balance``
 
     @classmethod
     def of(cls, strategy: Any) -> StageOptions:
@@ -77,6 +78,7 @@ class StageOptions:
             inside,
             s.schedule,
             s.virtual_stages,
+            s._planned_costs,
         )
 
 
@@ -331,6 +333,9 @@ def _plan(
 ) -> Plan:
     """How many layers each stage holds (``GPipeStrategy(balance=...)``), resolved on rank 0 and broadcast."""
     K, v = mesh.K, options.virtual_stages
+    if options.planned_costs is not None:
+        assert isinstance(options.balance, list), "the plan gave layer counts"
+        return Plan(options.balance, "planned", options.planned_costs)
 
     def simulated(costs: Sequence[float], S: int) -> list[int]:
         return solve_virtual_stages(costs, K, v, options.chunks, options.checkpoint, options.schedule)

@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
 from lightning_gpipe.pipe.state.rematerialize import Checkpoint
+from lightning_gpipe.strategy import _auto_plan as auto_plan
 from lightning_gpipe.strategy import _checkpoint_files as checkpointing
 from lightning_gpipe.strategy import _lightning_internals as internals
 from lightning_gpipe.strategy._arguments import (
@@ -74,17 +75,18 @@ class GPipeStrategy(ParallelStrategy):
     (the loss then runs on the whole output between the phases). Guide: ``docs/guide.md``.
 
     Args:
-        chunks: M, the micro-batches per mini-batch (M ≥ 4K keeps GPipe's bubble (K−1)/(M+K−1) small). A batch
-            smaller than M runs as fewer micro-batches, with a warning.
+        chunks: M, the micro-batches per mini-batch (M ≥ 4K keeps GPipe's bubble (K−1)/(M+K−1) small; fewer, with a
+            warning, in a smaller batch). ``"auto"`` here, in ``schedule``, ``virtual_stages`` or
+            ``activation_checkpointing``: chosen at setup by simulating each choice on costs measured on rank 0,
+            within ``max_memory_per_stage`` (bytes, or a fraction of the device's); rank 0 logs the plan.
         pipeline_parallel_size: K, the pipeline stages; ``"auto"``: all processes in one pipeline (no data
             parallelism). The world size must be a multiple of K.
         backbone: dotted attribute path of the ``nn.Sequential`` to pipeline (``"backbone"``, ``"vit.blocks"``).
         balance: how layers are split over the stages: ``"auto"`` ("flops" with an ``example_input_array``, else
             "parameters"), ``"flops"``, ``"time"`` (measured on rank 0), ``"parameters"``, K layer counts, or
             ``fn(index, layer) -> cost``. Rank 0 logs the split as a table at setup.
-        activation_checkpointing: re-materialization: ``"except_last"`` recomputes each micro-batch's inner
-            activations in the backward except where its backward follows at once; ``"always"``; ``"never"`` keeps
-            them all.
+        activation_checkpointing: ``"except_last"`` recomputes each micro-batch's inner activations in the backward
+            except where its backward follows at once; ``"always"``; ``"never"`` keeps them all.
         batch_dim: the dimension of the backbone's input and output that holds the samples (1 for time-major).
         deferred_batch_norm: BatchNorm normalizes each micro-batch but updates its running statistics once per
             mini-batch, as on one device.
@@ -103,9 +105,7 @@ class GPipeStrategy(ParallelStrategy):
             ``"first"`` step of every epoch, ``"always"`` or ``"never"``.
         pipeline_loss: ``"auto"`` runs the module's ``pipeline_loss`` hook inside the pipeline where the module
             defines it; ``True`` requires it, ``False`` keeps the loss on the whole output. Training calls the hook
-            per micro-batch (each backward starts at once); validation and test call it once, on the whole batch's
-            output on the last stage (there is no backward to start): for a hook that adds up over micro-batches,
-            which training checks, both give the same value.
+            per micro-batch; validation and test once, on the whole batch's output on the last stage.
         schedule: with the loss inside, ``"gpipe"`` (all forwards, then all backwards), ``"fill-drain"`` (so on
             the last stage too: a mixture of experts' load-balancing loss needs it), ``"1f1b"`` (at most K − k
             micro-batches held on stage k instead of M: less activation memory, the same bubble) or ``"zb-h1"``
@@ -133,6 +133,7 @@ class GPipeStrategy(ParallelStrategy):
         tensor_parallel_size: T ranks per stage and replica (innermost), over which ``configure_model`` splits the
             layers with ``self.device_mesh["tensor_parallel"]`` and ``parallelize_module``, as under
             ``ModelParallelStrategy``; each layer's output must be whole on them. World size = K · D · T.
+        max_memory_per_stage: the ``"auto"`` plan's budget (see ``chunks``); None: no limit.
     """
 
     strategy_name = "gpipe"
@@ -140,11 +141,11 @@ class GPipeStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        chunks: int = 8,
+        chunks: int | Literal["auto"] = 8,
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         backbone: str = "backbone",
         balance: StrategyBalance = "auto",
-        activation_checkpointing: Checkpoint = "except_last",
+        activation_checkpointing: Checkpoint | Literal["auto"] = "except_last",
         batch_dim: int = 0,
         deferred_batch_norm: bool = True,
         output: Literal["all", "placeholder"] = "all",
@@ -156,14 +157,15 @@ class GPipeStrategy(ParallelStrategy):
         trace_steps: int | list[int] = 5,
         check_batches: CheckBatches = "first",
         pipeline_loss: bool | Literal["auto"] = "auto",
-        schedule: ScheduleName = "gpipe",
-        virtual_stages: int = 1,
+        schedule: ScheduleName | Literal["auto"] = "gpipe",
+        virtual_stages: int | Literal["auto"] = 1,
         data_parallel_reduction: DpReduction = "auto",
         data_loading: DataLoading = "every_stage",
         data_parallel: DataParallel = "ddp",
         reshard_after_forward: bool = False,
         layout: Layout | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
+        max_memory_per_stage: int | float | None = None,
     ) -> None:
         super().__init__()
         self.trace_steps: tuple[int, ...] = check_arguments(locals())  # raises on a bad value
@@ -175,7 +177,7 @@ class GPipeStrategy(ParallelStrategy):
         self._loss_inside: PipelineLoss | None = None
         self.trace_dir = trace_dir
         self.chunks, self.backbone, self.balance = chunks, backbone, balance
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing, self.max_memory_per_stage = activation_checkpointing, max_memory_per_stage
         self.output, self.batch_dim, self.deferred_batch_norm = output, batch_dim, deferred_batch_norm
         self.save_distributed_checkpoint, self.bucket_cap_mb = save_distributed_checkpoint, bucket_cap_mb
         self.check_batches, self._pipeline_parallel_size = check_batches, pipeline_parallel_size
@@ -187,6 +189,7 @@ class GPipeStrategy(ParallelStrategy):
         self._init_record: InitRecord | None = None
         self._muted_writers: list[BasePredictionWriter] = []
         self._sync_blocked = False
+        self._plan_check, self._planned_costs = auto_plan.PlanCheck(), None  # "auto" arguments: planned at setup
         self.num_nodes = 1
 
     @property
@@ -281,17 +284,9 @@ class GPipeStrategy(ParallelStrategy):
         backend = self._process_group_backend = self._process_group_backend or default_backend(device)
         assert self.cluster_environment is not None
         self._pipeline_mesh = PipelineMesh.join(
-            self.cluster_environment,
-            backend,
-            self._timeout,
-            device,
-            K,
-            max(1, self.num_processes),
-            self.data_parallel_reduction,
-            input_group=self.data_loading == "first_stage",
-            layout=self.layout,
-            T=T,
-        )
+            self.cluster_environment, backend, self._timeout, device, K, max(1, self.num_processes),
+            self.data_parallel_reduction, input_group=self.data_loading == "first_stage", layout=self.layout, T=T,
+        )  # fmt: skip
         assert self.lightning_module is not None
         internals.set_device_mesh(self.lightning_module, self._pipeline_mesh.device_mesh)
 
@@ -334,6 +329,8 @@ class GPipeStrategy(ParallelStrategy):
             self._pipeline = RankPipeline(backbone, self._mesh)
             return False
         record, self._init_record = self._init_record, None  # its CPU sources freed once materialized
+        if auto_plan.wants_plan(self):
+            self._plan_check = auto_plan.choose(self, module, backbone)
         args = (StageOptions.of(self), self._mesh, self.root_device, sync_batchnorm, record, self.broadcast)
         self._pipeline = RankPipeline.build(module, self.backbone, backbone, *args, self._sharding)
         return True
@@ -387,6 +384,7 @@ class GPipeStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         stage, trainer, mesh = self.stage, self._trainer, self._mesh
         stage.reset()  # a step whose backward was skipped must not leave its forward phase behind
+        self._plan_check.begin()
         self._tracer.begin(stage, mesh, trainer.global_step)
         batch = args[0] if args else kwargs.get("batch")
         audit = self._rank_pipeline.step_audit
@@ -442,6 +440,7 @@ class GPipeStrategy(ParallelStrategy):
             pipeline.backward(self.backbone, closure_loss, backprop, self._tracer, reduce=not self._sync_blocked)
         closure_loss = plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
+        self._plan_check.end()
         return closure_loss
 
     @contextmanager

@@ -55,6 +55,8 @@ SMOKE_RUNS = [
     "peers_schedules",
     "skips",
     "studies.zb_split",
+    "studies.zb_v_memory",
+    "auto_plan",
 ]
 
 

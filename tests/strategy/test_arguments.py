@@ -17,7 +17,7 @@ from lightning_gpipe import GPipeStrategy
         ({"chunks": True}, "chunks, M, must be an int ≥ 1"),
         ({"pipeline_parallel_size": 0}, "give an int ≥ 1 or 'auto'"),
         ({"pipeline_parallel_size": "all"}, "give an int ≥ 1 or 'auto'"),
-        ({"activation_checkpointing": "sometimes"}, "choose one of ['always', 'except_last', 'never']"),
+        ({"activation_checkpointing": "sometimes"}, "choose one of ['always', 'except_last', 'never', 'auto']"),
         (
             {"pipeline_loss": "yes"},
             "choose 'auto' (inside the pipeline when the module defines the pipeline_loss hook)",
