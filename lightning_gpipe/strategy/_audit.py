@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe.pipe.microbatch import batch_size, tensors
-from lightning_gpipe.strategy._logger import logger
+from lightning_gpipe.strategy._lightning_internals import logger
 
 
 def _join(*parts: str) -> str:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning_gpipe.pipe.comm.batch_feed import BatchFeed
 from lightning_gpipe.pipe.microbatch import tensors
 from lightning_gpipe.strategy._arguments import CheckBatches
-from lightning_gpipe.strategy._logger import logger
+from lightning_gpipe.strategy._lightning_internals import logger
 from lightning_gpipe.strategy._mesh import PipelineMesh
 
 

@@ -23,6 +23,8 @@ on). Kept here, and why no public API does it:
   each rank's copy must follow its stage, and no public API reaches it.
 - ``route_norm_clipping``: Lightning clips through the precision plugin, with a local norm and no strategy hook;
   a pipeline needs the norm of the whole model across stages.
+- ``logger``: the strategy's messages go to a child of ``lightning.pytorch``'s logger, which Lightning configures
+  (its level and handler, set in its ``__init__``): they print where Lightning's setup messages do.
 - ``summarize_with``: the ``ModelSummary`` callback builds its summary in ``_summary`` (DeepSpeed's stage-3 summary
   is chosen there by strategy type, with no hook for other strategies); a pipeline's rank holds one stage, so the
   whole model's rows come from the split instead.
@@ -40,6 +42,7 @@ internals: ``torch.distributed.is_initialized`` (``_distributed_is_initialized``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +77,9 @@ sync_ddp_if_available = _sync_ddp_if_available
 all_gather_ddp_if_available = _all_gather_ddp_if_available
 # Every optimizer's state tensors moved to the device (checkpoints restore them on the CPU).
 optimizers_to_device = _optimizers_to_device
+
+
+logger = logging.getLogger("lightning.pytorch.strategies.gpipe")
 
 
 def broadcast_coalesced(group: dist.ProcessGroup, tensors: list[Tensor], bucket_bytes: int, src: int) -> None:

@@ -16,8 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_gpipe.pipe.dp.hierarchy import Hierarchy, build_hierarchies
 from lightning_gpipe.strategy._arguments import DpReduction, Layout
-from lightning_gpipe.strategy._lightning_internals import init_dist_connection
-from lightning_gpipe.strategy._logger import logger
+from lightning_gpipe.strategy._lightning_internals import init_dist_connection, logger
 
 T = TypeVar("T")
 

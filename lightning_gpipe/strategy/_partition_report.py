@@ -13,8 +13,7 @@ from torch import nn
 from lightning_gpipe.pipe.schedule.registry import Placement, chunk_of, rank_of
 from lightning_gpipe.pipe.skips import skip_layers
 from lightning_gpipe.strategy._balance import MEASURES, UNITS, Plan
-from lightning_gpipe.strategy._lightning_internals import summarize_with
-from lightning_gpipe.strategy._logger import logger
+from lightning_gpipe.strategy._lightning_internals import logger, summarize_with
 
 Table = list[tuple[str, list[str]]]
 

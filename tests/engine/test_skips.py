@@ -15,7 +15,7 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage, Pop, Stash, pop, resolve_balance, skippable, stash
 from lightning_gpipe.pipe.comm.nccl_order import ENV
 from lightning_gpipe.pipe.skips import plan_skips
-from tests.helpers.guide_unet import guide_unet
+from tests.helpers.guide_unet import images, make, run_step
 from tests.helpers.launch import run_distributed
 
 # Stage 0: the encoder's two blocks, both stashes; stage 1: the bottleneck and the first up-convolution, no skip;
@@ -23,11 +23,6 @@ from tests.helpers.launch import run_distributed
 BALANCE = [6, 2, 6]
 # (N, H): uneven micro-batches, a new image size every step.
 STEPS = [(7, 8), (5, 12), (9, 4)]
-
-
-def make(dtype: torch.dtype = torch.float64) -> nn.Sequential:
-    torch.manual_seed(0)
-    return guide_unet()().to(dtype)
 
 
 def by_hand(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
@@ -38,11 +33,6 @@ def by_hand(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     h = model[9](torch.cat([model[7](h), half], 1))
     h = model[12](torch.cat([model[10](h), full], 1))
     return model[13](h)
-
-
-def images(N: int, H: int, seed: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(N, 3, H, H, generator=g, dtype=dtype), torch.randn(N, 3, H, H, generator=g, dtype=dtype)
 
 
 def test_plain_model_runs_as_written() -> None:
@@ -82,7 +72,7 @@ def test_routes() -> None:
         ),
     ],
 )
-def test_declarations_that_cannot_run(layers: list[nn.Module], message: str) -> None:
+def test_declarations_that_cannotrun_step(layers: list[nn.Module], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         GPipeStage(nn.Sequential(*layers), chunks=1)
 
@@ -117,28 +107,6 @@ def test_undeclared_and_missing_skips_are_errors() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- K = 3 parity
-def _run(stage: GPipeStage, x: torch.Tensor, target: torch.Tensor, path: str) -> torch.Tensor | None:
-    """One training step's forward and backward through ``stage`` on ``path``; the loss on the last stage."""
-    if path == "outside":
-        y = stage(x)
-        if stage.is_last:
-            loss = nn.functional.mse_loss(y, target)
-            loss.backward()
-            stage.backward()
-            return loss.detach()
-        stage.backward()
-        return None
-    sizes = stage.micro_batch_sizes(x)
-    offsets = [sum(sizes[:m]) for m in range(len(sizes))]
-
-    def loss_fn(y: torch.Tensor, m: int) -> torch.Tensor:
-        t = target[offsets[m] : offsets[m] + sizes[m]]
-        return nn.functional.mse_loss(y, t) * (sizes[m] / len(target))
-
-    losses = stage.forward_backward(x, loss_fn, schedule=path)  # type: ignore[arg-type]
-    return torch.stack(losses).sum() if stage.is_last else None
-
-
 def parity_worker(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
     warnings.simplefilter("ignore")
     out: dict[str, Any] = {"errs": {}, "bytes": {}}
@@ -155,7 +123,7 @@ def parity_worker(rank: int, world_size: int, cases: list[tuple[str, str]]) -> d
             ref_loss = nn.functional.mse_loss(ref(x), target)
             ref_loss.backward()
             opt.zero_grad()
-            loss = _run(stage, x, target, path)
+            loss = run_step(stage, x, target, path)
             if loss is not None:
                 err = max(err, (loss - ref_loss).abs().item() / ref_loss.item())
             for name, p in stage.named_parameters():
@@ -200,7 +168,7 @@ def link_bytes() -> dict[str, tuple[int, int]]:
         [("gpipe", "never"), ("zb-h1", "except_last")],
     ],
 )
-def test_unet_k3_is_the_plain_run(cases: list[tuple[str, str]]) -> None:
+def test_unet_k3_is_the_plainrun_step(cases: list[tuple[str, str]]) -> None:
     results = run_distributed(parity_worker, 3, cases, timeout=180)
     for rank, r in enumerate(results):
         for case, err in r["errs"].items():
@@ -250,7 +218,7 @@ def interleaved_worker(rank: int, world_size: int) -> dict[str, Any]:
             ref.zero_grad()
             nn.functional.mse_loss(ref(x), target).backward()
             stage.zero_grad()
-            _run(stage, x, target, "interleaved-1f1b")
+            run_step(stage, x, target, "interleaved-1f1b")
             for name, p in stage.named_parameters():
                 err = max(err, ((p.grad - refs[name].grad).abs().max() / refs[name].grad.abs().max()).item())
         transport = stage._executor.links.transport  # type: ignore[union-attr]
@@ -290,7 +258,7 @@ def failing_worker(rank: int, world_size: int) -> dict[str, Any]:
     x, target = images(6, 8, seed=0)
     start = time.monotonic()
     try:
-        _run(stage, x, target, "1f1b")
+        run_step(stage, x, target, "1f1b")
     except Exception as e:
         return {"type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
     return {"type": None}

@@ -18,10 +18,13 @@ from lightning_gpipe.pipe.comm.nccl_order import ENV
 from lightning_gpipe.pipe.errors import PipelineError
 from lightning_gpipe.pipe.schedule.registry import executed
 from lightning_gpipe.pipe.trace.gantt import block_label
-from tests.engine import test_skips as unet
-from tests.engine.test_interleaved import F32, F64, TOLS, chain, micro_losses, parity_worker, rel_err
+from tests.helpers import guide_unet as unet
 from tests.helpers import models
+from tests.helpers.chunked import F32, F64, TOLS, chain, micro_losses, parity_worker, rel_err
 from tests.helpers.launch import run_distributed
+
+# (N, H) per step of the U-Net: uneven micro-batches, a new image size every step.
+UNET_STEPS = [(7, 8), (5, 12), (9, 4)]
 
 
 def tied_v(dtype: torch.dtype) -> nn.Sequential:
@@ -210,12 +213,12 @@ def skips_worker(rank: int, world_size: int) -> dict[str, Any]:
         ref = copy.deepcopy(model)
         stage = GPipeStage(model, chunks=4, balance=[3, 3, 2, 6], checkpoint=mode, virtual_stages=2, placement="v")
         err = 0.0
-        for step, (N, H) in enumerate(unet.STEPS):
+        for step, (N, H) in enumerate(UNET_STEPS):
             x, target = unet.images(N, H, seed=step)
             ref.zero_grad()
             nn.functional.mse_loss(ref(x), target).backward()
             stage.zero_grad()
-            unet._run(stage, x, target, "zb-v")
+            unet.run_step(stage, x, target, "zb-v")
             err = max(err, *(rel_err(p.grad, ref.get_parameter(n).grad) for n, p in stage.named_parameters()))
         transport = stage._executor.links.transport  # type: ignore[union-attr]
         out[mode] = (err, dict(transport.bytes_sent))
@@ -231,7 +234,7 @@ def test_skips_in_a_v_are_handed_over_within_rank_0_and_sent_from_rank_1() -> No
     # Rank 0 sends stage 0's output, and stage 3's input gradient and that of 'half'; rank 1 sends stage 2's output
     # (to stage 3), 'half', and stage 1's input gradient (stage 0's output's shape). 'full' and stage 1 → 2 stay.
     model, out0, half, out2 = unet.make(), 0, 0, 0
-    for N, H in unet.STEPS:
+    for N, H in UNET_STEPS:
         x, _ = unet.images(N, H, seed=0)
         with torch.no_grad():
             y0 = model[:3](x)
