@@ -21,12 +21,21 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_gpipe.pipe.microbatch import batch_size, tensors
+from lightning_gpipe.pipe.microbatch import batch_size, split, tensors
 from lightning_gpipe.pipe.run.executor import Executor
 from lightning_gpipe.pipe.run.failures import FailureHandler
 from lightning_gpipe.pipe.run.loss_inside import forward_backward
 from lightning_gpipe.pipe.split.balance import costs_by_time
-from lightning_gpipe.pipe.split.plan import Prediction, Profile, check, default_Ms, describe, layer_bytes, plan
+from lightning_gpipe.pipe.split.plan import (
+    Prediction,
+    Profile,
+    check,
+    default_Ms,
+    describe,
+    fit_layer_costs,
+    layer_bytes,
+    plan,
+)
 from lightning_gpipe.pipe.state.buffers import StatefulBuffers
 from lightning_gpipe.pipe.state.rematerialize import CHECKPOINT_MODES
 from lightning_gpipe.pipe.trace.events import Timeline
@@ -92,7 +101,7 @@ def _plan(
     x = backbone_input(module, backbone, example, "time")
     N = batch_size(x, strategy.batch_dim)
     dp = dist.get_world_size(strategy._mesh.dp_group) if strategy.data_parallel == "fsdp" else 1
-    profile = measure_profile(backbone, x, N, device, dp)
+    profile = measure_profile(backbone, x, N, device, dp, strategy.batch_dim)
     inside = strategy.pipeline_loss is not False and callable(getattr(module, "pipeline_loss", None))
     fixed = {name: getattr(strategy, name) for name in AUTO_ARGUMENTS if getattr(strategy, name) != "auto"}
     # With the loss outside, training runs GPipe's phases, each rank's chunks one after the other: no schedule to pick.
@@ -110,17 +119,30 @@ def _plan(
     return ranked, list(profile.costs)
 
 
-def measure_profile(backbone: nn.Sequential, x: Any, N: int, device: torch.device, dp: int = 1) -> Profile:
-    """The plan's view of ``backbone`` on its input ``x`` (a mini-batch of N samples): each layer's time, saved,
-    output and weight bytes, the engine's time per action; ``dp``: the replicas that share the state (FSDP)."""
+def measure_profile(
+    backbone: nn.Sequential, x: Any, N: int, device: torch.device, dp: int = 1, batch_dim: int = 0
+) -> Profile:
+    """The plan's view of ``backbone`` on its input ``x`` (a mini-batch of N samples): each layer's time on all N and
+    on an eighth of them (the part that grows with the samples and the part that does not: ``fit_layer_costs``),
+    its saved, output and weight bytes, the engine's time per action; ``dp``: the replicas that share the state
+    (FSDP)."""
     activation, output, weights = layer_bytes(backbone, x)
     host = _host_per_action(device)
+    whole = costs_by_time(backbone, x, device=device)
+    part = split(x, 8, batch_dim=batch_dim)[0] if N >= 2 else None
+    n = batch_size(part, batch_dim) if part is not None else N
+    costs, fixed = (
+        (whole, [0.0] * len(whole))
+        if n >= N
+        else fit_layer_costs(costs_by_time(backbone, part, device=device), whole, n, N, N)
+    )
     return Profile(
         N,
-        costs_by_time(backbone, x, device=device),
+        costs,
         activation,
         output,
         weights,
+        fixed_costs=fixed,
         input_bytes=float(sum(t.nbytes for t in tensors(x))),
         state_bytes_per_param_byte=STATE_PER_WEIGHT / dp,  # FSDP: each replica holds 1/dp of its stage's state
         host_per_action=host,

@@ -359,7 +359,7 @@ def _plan(
         broadcast=broadcast,
         # With the loss inside, the last stage runs F + B per micro-batch, the others F + R + B: about 3 : 4 (its
         # costs weighed so in the log, and by solve_virtual_stages where the simulation cannot tell two cuts apart).
-        last_stage_scale=0.75 if options.pipeline_loss and options.checkpoint != "never" and v == 1 else 1.0,
+        last_stage_scale=0.75 if options.pipeline_loss and options.checkpoint == "except_last" and v == 1 else 1.0,
         solver=(simulated, how) if v > 1 or options.pipeline_loss else None,
     )
 

@@ -257,3 +257,19 @@ def test_layer_bytes_counts_what_autograd_saves_once_without_weights() -> None:
     assert output == [3 * 8 * f] * 5
     assert weights == [(32 + 8) * f, 0.0, (64 + 8) * f, 16 * f, 8 * f]  # layer 4: its bias only (the weight is 2's)
     assert torch.equal(model[3].running_mean, before)
+
+
+def test_fixed_costs_make_small_micro_batches_dearer() -> None:
+    """A layer timed at two micro-batch sizes: the line through them splits its cost into the part that grows with
+    the samples and the part that does not; a fixed part favours fewer micro-batches, as a measured step does."""
+    from lightning_gpipe.pipe.split.plan import fit_layer_costs
+
+    costs, fixed = fit_layer_costs([0.003, 0.001], [0.010, 0.008], 8, 64, 64)
+    assert costs == pytest.approx([0.008, 0.008]) and fixed == pytest.approx([0.002, 0.0])
+    with pytest.raises(ValueError, match="two sample counts 0 < n_small < n_large"):
+        fit_layer_costs([1.0], [1.0], 8, 8, 8)
+    free = uniform(L=8, N=64)
+    dear = Profile(64, free.costs, free.activation_bytes, free.output_bytes, free.parameter_bytes,
+                   input_bytes=free.input_bytes, fixed_costs=[0.004] * 8)  # fmt: skip
+    assert plan(free, 2, Ms=[2, 16], checkpoints=["never"])[0].candidate.M == 16
+    assert plan(dear, 2, Ms=[2, 16], checkpoints=["never"])[0].candidate.M == 2

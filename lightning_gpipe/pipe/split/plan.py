@@ -4,12 +4,13 @@
 (``pipe.schedule.simulator``) with costs measured at setup (:class:`Profile`), and ranks the candidates that fit a
 memory budget by predicted step. What :func:`predict` assumes:
 
-* Time. A layer of cost c (seconds of forward + backward on the whole mini-batch of N samples, as ``costs_by_time``
-  measures it on N samples) costs c·n/N on a micro-batch of n samples, n = N/M (the mean: the simulator's costs are
-  per chunk, not per micro-batch). A chunk of layers of cost c runs F = c/3, B = 2c/3, I = W = R = c/3 (as
-  ``solve_virtual_stages`` weighs them), each plus ``host_per_action``: the launch and bookkeeping that a smaller
-  micro-batch does not shrink, so that M is not free. A message costs bytes·n/N / ``bandwidth`` on its link and
-  ``message_host`` on each end's host (``Costs.send_host``, ``recv_host``).
+* Time. A layer of cost c (seconds of forward + backward on the whole mini-batch of N samples, the part that grows
+  with the samples) and fixed cost f (seconds of forward + backward whatever the samples: kernel launches, a small
+  batch's poorer use of the device) costs c·n/N + f on a micro-batch of n samples, n = N/M (the mean: the
+  simulator's costs are per chunk, not per micro-batch). A chunk of layers of cost c runs F = c/3, B = 2c/3,
+  I = W = R = c/3 (as ``solve_virtual_stages`` weighs them), each plus ``host_per_action``: the engine's launch and
+  bookkeeping of an action, which a smaller micro-batch does not shrink either. A message costs
+  bytes·n/N / ``bandwidth`` on its link and ``message_host`` on each end's host (``Costs.send_host``, ``recv_host``).
 * Memory, per rank: the parameter bytes of its layers times ``state_bytes_per_param_byte`` (weight, gradient and
   optimizer state), plus, over the rank's actions in order, what each (micro-batch, chunk) pair holds between its F
   and its B (or W): a kept graph (``keeps_graph``) holds the chunk's activation bytes from its F on; a dropped one
@@ -66,7 +67,8 @@ _LAST_STAGE: dict[Checkpoint, float] = {"always": 1.0, "except_last": 0.75, "nev
 class Profile:
     """What the plan knows of the backbone's L layers, per layer and for the whole mini-batch of N samples.
 
-    ``costs``: seconds of forward + backward (``balance.costs_by_time`` on a sample of n0 samples, times N/n0);
+    ``costs``: seconds of forward + backward on the N samples, the part that grows with them; ``fixed_costs``: the
+    part that does not, per micro-batch (``costs_by_time`` at two micro-batch sizes, fitted: ``fit_layer_costs``);
     ``activation_bytes``: what autograd keeps for the layer's backward; ``output_bytes``: its output (what the next
     stage receives, and what a dropped graph keeps); ``parameter_bytes``: its weights; ``input_bytes``: the model's
     input (stage 0's boundary). ``state_bytes_per_param_byte``: weight, gradient and optimizer state per weight byte
@@ -84,12 +86,15 @@ class Profile:
     host_per_action: float = 0.0
     bandwidth: float = math.inf
     message_host: float = 0.0
+    fixed_costs: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.N, bool) or not isinstance(self.N, int) or self.N < 1:
             raise ValueError(f"Profile.N is the mini-batch's number of samples, an int ≥ 1; got {self.N!r}")
         L = len(self.costs)
-        for name in ("costs", "activation_bytes", "output_bytes", "parameter_bytes"):
+        if not self.fixed_costs:
+            object.__setattr__(self, "fixed_costs", (0.0,) * L)
+        for name in ("costs", "activation_bytes", "output_bytes", "parameter_bytes", "fixed_costs"):
             values = tuple(float(x) for x in getattr(self, name))
             object.__setattr__(self, name, values)  # tuples: a frozen profile is not changed behind the plan's back
             if len(values) != L or L == 0:
@@ -105,6 +110,10 @@ class Profile:
     @property
     def L(self) -> int:
         return len(self.costs)
+
+    def micro_costs(self, M: int) -> list[float]:
+        """Each layer's forward + backward on one of M micro-batches (what the split balances)."""
+        return [c / M + f for c, f in zip(self.costs, self.fixed_costs)]
 
 
 @dataclass(frozen=True, order=True)
@@ -209,9 +218,9 @@ def predict(profile: Profile, candidate: Candidate, K: int, search: bool = True)
     placement = lookup(name).placement
     actions = executed(name, K, M, v)
     if not search:
-        balance = solve(profile.costs, v * K, _LAST_STAGE[mode])
+        balance = solve(profile.micro_costs(M), v * K, _LAST_STAGE[mode])
     elif placement == "loop":
-        balance = solve_virtual_stages(profile.costs, K, v, M, mode, name)
+        balance = solve_virtual_stages(profile.micro_costs(M), K, v, M, mode, name)
     else:
         balance = _search_split(profile, candidate, K, actions, placement)
     result = simulate(actions, K, v, _costs(profile, balance, K, M, placement), checkpoint=mode, placement=placement)
@@ -358,6 +367,21 @@ class _Saved:
         return t
 
 
+def fit_layer_costs(
+    small: Sequence[float], large: Sequence[float], n_small: int, n_large: int, N: int
+) -> tuple[list[float], list[float]]:
+    """Each layer's (part that grows with the samples, on N; fixed part) from its forward + backward time on
+    ``n_small`` and on ``n_large`` samples: the line through the two, its slope and intercept kept ≥ 0."""
+    if not 0 < n_small < n_large:
+        raise ValueError(f"two sample counts 0 < n_small < n_large are needed, got {n_small} and {n_large}")
+    costs, fixed = [], []
+    for a, b in zip(small, large, strict=True):
+        slope = max(0.0, (b - a) / (n_large - n_small))
+        costs.append(slope * N)
+        fixed.append(max(0.0, a - slope * n_small))
+    return costs, fixed
+
+
 def _bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
     """Each stage's layers as [start, end)."""
     ends = list(itertools.accumulate(balance))
@@ -370,7 +394,7 @@ def _costs(
     """Per (rank, chunk): the Costs of the stage there on a micro-batch of N/M samples (the module's docstring)."""
     share, out = 1 / M, {}
     for s, (a, b) in enumerate(_bounds(balance)):
-        c = sum(profile.costs[a:b]) * share
+        c = sum(profile.costs[a:b]) * share + sum(profile.fixed_costs[a:b])
         # the stage's output goes down, the gradient of its input (the previous layer's output) comes back up
         sent = profile.output_bytes[b - 1] * share / profile.bandwidth
         received = (profile.output_bytes[a - 1] if a else profile.input_bytes) * share / profile.bandwidth
@@ -393,7 +417,7 @@ def _search_split(
         costs = _costs(profile, counts, K, M, placement)
         return simulate(actions, K, v, costs, checkpoint=mode, placement=placement).makespan
 
-    best = solve(profile.costs, v * K, _LAST_STAGE[mode])
+    best = solve(profile.micro_costs(M), v * K, _LAST_STAGE[mode])
     budget = max(1, SIMULATED_ACTIONS // sum(map(len, actions)))
     if math.comb(L - 1, v * K - 1) <= budget:  # solve's split first: it stays among equals
         every = (

@@ -112,8 +112,9 @@ def solve_virtual_stages(
     if not lookup(schedule).accepts(v):
         lookup(schedule).actions(K, M, v)  # its clear error
     S, L = v * K, len(costs)
-    # The per-chunk optimum, the last chunk weighed as it runs (F + B, where the others recompute: about 3 : 4).
-    start = solve(costs, S, 0.75 if checkpoint != "never" else 1.0)
+    # The per-chunk optimum, the last chunk weighed as it runs (F + B, where the others recompute: about 3 : 4; under
+    # "always" it recomputes as they do, under "never" none does).
+    start = solve(costs, S, 0.75 if checkpoint == "except_last" else 1.0)
     actions = _admitted_actions(K, M, v, schedule)
 
     def step(cuts: Sequence[int]) -> float:
