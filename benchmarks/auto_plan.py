@@ -1,17 +1,18 @@
 """schedule="auto" against a measured grid: the plan's choice beside the best schedule, M and re-materialization."""
 
-# Per workload (_lib/workloads.py: AmoebaNet-D, the Transformer whose vocabulary projection is the backbone's last
-# layer at d = 128 -- an LM whose layers are small -- and the same at d = 512), in this process on one thread: the
-# plan's profile as GPipeStrategy measures it at setup (strategy/_auto_plan.measure_profile: each layer's forward +
-# backward time, saved, output and weight bytes on the whole batch, the engine's time per action), the plan
-# (pipe/split/plan.plan) over the grid below, unconstrained and within a budget. Then K = 2 processes (gloo, one thread each) build a GPipeStage per grid point on its own split
-# (the plan's, as schedule="auto" runs it) and time one training step each (forward_backward with the loss per
-# micro-batch on the last stage, then RMSprop) by turns, medians of clean steps (machine.measure); the budget lies
-# --budget-share of the way from the leanest candidate's predicted peak to the unconstrained choice's; the budgeted
-# choice's peak (live tensors during a step + weights, gradients and optimizer state) measured once after. Reports,
-# per workload: the best measured grid point, auto's choice and its measured step / the best's (target ≤ 1.03), the
-# named schedules at the defaults (M = 8, except_last), and the budgeted choice's measured peak against the budget.
-# Writes <out-dir>/auto_plan.{json,md}. From the repo root: python -m benchmarks.auto_plan
+# Per workload (_lib/workloads.py: AmoebaNet-D, the Transformer whose vocabulary projection is the backbone's last layer
+# at d = 128 -- an LM whose layers are small -- and the same at d = 512), in this process on one thread: the plan's
+# profile as GPipeStrategy measures it at setup (strategy/_auto_plan.measure_profile: each layer's forward + backward
+# time on the batch and on an eighth of it, saved, output and weight bytes, the engine's time per action, the link
+# between two processes), the plan (pipe/split/plan.plan) over the grid below, unconstrained and within a budget. Then K
+# = 2 processes (gloo, one thread each) build a GPipeStage per grid point on its own split (the plan's, as
+# schedule="auto" runs it) and time one training step each (forward_backward with the loss per micro-batch on the last
+# stage, then RMSprop) by turns, medians of clean steps (machine.measure); the budget lies --budget-share of the way
+# from the leanest candidate's predicted peak to the unconstrained choice's; the budgeted choice's peak (live tensors
+# during a step + weights, gradients and optimizer state) measured once after. Reports, per workload: the best measured
+# grid point, auto's choice and its measured step / the best's (target ≤ 1.03), the named schedules at the defaults (M =
+# 8, except_last), and the budgeted choice's measured peak against the budget. Writes <out-dir>/auto_plan.{json,md}.
+# From the repo root: python -m benchmarks.auto_plan
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from benchmarks._lib.workloads import SIZES, SMOKE_SIZES, build, loss_fn, make_b
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.schedule.registry import lookup
 from lightning_gpipe.pipe.split.plan import Candidate, plan, predict
-from lightning_gpipe.strategy._auto_plan import measure_profile
+from lightning_gpipe.strategy._auto_plan import _measure_link, measure_profile
 
 K = 2
 WORKLOADS = {
@@ -84,6 +85,12 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def link_job(rank: int, world: int, job: Any) -> list[float]:
+    """The link between the two processes, as GPipeStrategy measures it at setup."""
+    assert dist.group.WORLD is not None
+    return list(_measure_link(dist.group.WORLD, rank, torch.device("cpu")))
+
+
 def grid_points(profile: Any, ms: list[int], checkpoints: list[str]) -> list[dict[str, Any]]:
     """Each grid point the registry admits, on the plan's split for it (as schedule="auto" would run it)."""
     points = []
@@ -119,11 +126,12 @@ def main() -> None:
     timing = {"steps": args.steps, "max_steps": args.steps + 2, "warmup": 1, "clean_threshold": 0.1}
     timing["wait_quiet"] = 0.0 if args.smoke else 20.0
     rows, raw = [], {}
+    link = tuple(launch(link_job, K, {}))
     for workload in args.models:
         name, changes = WORKLOADS[workload]
         sizes = {**base[name], **changes} if not args.smoke else dict(base[name])
         x, _ = make_batch(name, sizes)
-        profile = measure_profile(build(name, sizes), x, sizes["batch"], torch.device("cpu"))
+        profile = measure_profile(build(name, sizes), x, sizes["batch"], torch.device("cpu"), link=link)
         ranked = plan(profile, K, Ms=ms, vs=(1, 2), checkpoints=checkpoints)
         leanest = min(max(p.peak_bytes) for p in ranked)  # the budget: between it and the unconstrained choice's peak
         budget = int(leanest + args.budget_share * (max(ranked[0].peak_bytes) - leanest))

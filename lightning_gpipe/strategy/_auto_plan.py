@@ -10,6 +10,7 @@ naming a better candidate, where they part by more than 10 % (``plan.check``).
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import statistics
@@ -56,10 +57,11 @@ def choose(strategy: Any, module: nn.Module, backbone: nn.Sequential) -> PlanChe
     """Collective: the plan on global rank 0, broadcast; the strategy's ``"auto"`` arguments and ``balance`` set to
     its first candidate's."""
     mesh, device, autos = strategy._mesh, strategy.root_device, _autos(strategy)
+    link = _measure_link(mesh.pp_group, strategy.global_rank, device)
     result: list[Any] = [None, None]
     if strategy.global_rank == 0:
         try:
-            result[0] = _plan(strategy, module, backbone, mesh.K, device)
+            result[0] = _plan(strategy, module, backbone, mesh.K, device, link)
         except Exception as e:  # the others wait in the broadcast: they raise it too
             result[1] = e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")
     planned, error = strategy.broadcast(result)
@@ -83,7 +85,7 @@ def _autos(strategy: Any) -> list[str]:
 
 
 def _plan(
-    strategy: Any, module: nn.Module, backbone: nn.Sequential, K: int, device: torch.device
+    strategy: Any, module: nn.Module, backbone: nn.Sequential, K: int, device: torch.device, link: tuple[float, float]
 ) -> tuple[list[Prediction], list[float]]:
     """Rank 0's ranked predictions over what the fixed arguments leave open, and the layers' measured costs."""
     example = getattr(module, "example_input_array", None)
@@ -101,7 +103,7 @@ def _plan(
     x = backbone_input(module, backbone, example, "time")
     N = batch_size(x, strategy.batch_dim)
     dp = dist.get_world_size(strategy._mesh.dp_group) if strategy.data_parallel == "fsdp" else 1
-    profile = measure_profile(backbone, x, N, device, dp, strategy.batch_dim)
+    profile = measure_profile(backbone, x, N, device, dp, strategy.batch_dim, link)
     inside = strategy.pipeline_loss is not False and callable(getattr(module, "pipeline_loss", None))
     fixed = {name: getattr(strategy, name) for name in AUTO_ARGUMENTS if getattr(strategy, name) != "auto"}
     # With the loss outside, training runs GPipe's phases, each rank's chunks one after the other: no schedule to pick.
@@ -120,12 +122,20 @@ def _plan(
 
 
 def measure_profile(
-    backbone: nn.Sequential, x: Any, N: int, device: torch.device, dp: int = 1, batch_dim: int = 0
+    backbone: nn.Sequential,
+    x: Any,
+    N: int,
+    device: torch.device,
+    dp: int = 1,
+    batch_dim: int = 0,
+    link: tuple[float, float] = (0.0, math.inf),
 ) -> Profile:
     """The plan's view of ``backbone`` on its input ``x`` (a mini-batch of N samples): each layer's time on all N and
     on an eighth of them (the part that grows with the samples and the part that does not: ``fit_layer_costs``),
     its saved, output and weight bytes, the engine's time per action; ``dp``: the replicas that share the state
-    (FSDP)."""
+    (FSDP); ``link``: a message's latency (seconds, half of it each end's host time) and the bandwidth (bytes/s)
+    between two stages (:func:`_measure_link`)."""
+    latency, bandwidth = link
     activation, output, weights = layer_bytes(backbone, x)
     host = _host_per_action(device)
     whole = costs_by_time(backbone, x, device=device)
@@ -146,8 +156,35 @@ def measure_profile(
         input_bytes=float(sum(t.nbytes for t in tensors(x))),
         state_bytes_per_param_byte=STATE_PER_WEIGHT / dp,  # FSDP: each replica holds 1/dp of its stage's state
         host_per_action=host,
-        message_host=host,
+        message_host=max(host, latency / 2),
+        bandwidth=bandwidth,
     )
+
+
+def _measure_link(group: dist.ProcessGroup, rank: int, device: torch.device, repeat: int = 5) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of a message between global rank 0 and the next stage of its pipeline: median
+    round trips of 4 KiB and 4 MiB on the pipeline's group, halved. Those two ranks take part; the others get
+    (0, inf), and so do they on a pipeline of one stage."""
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) < 2 or ranks[0] != 0 or rank not in ranks[:2]:
+        return 0.0, math.inf
+    peer = ranks[1] if rank == 0 else ranks[0]
+    one_way = []
+    for size in (4 << 10, 4 << 20):
+        buf = torch.zeros(size // 4, device=device)
+        times = []
+        for _ in range(repeat + 1):  # the first warms the connection up
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
+            else:
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
+            times.append(time.perf_counter() - start)
+        one_way.append(statistics.median(times[1:]) / 2)
+    slope = (one_way[1] - one_way[0]) / ((4 << 20) - (4 << 10))
+    return max(0.0, one_way[0] - slope * (4 << 10)), 1 / slope if slope > 0 else math.inf
 
 
 def _budget(budget: int | float | None, device: torch.device) -> int | None:
@@ -194,7 +231,8 @@ def _picklable(obj: Any) -> bool:
 
 class PlanCheck:
     """Times the training steps ``CHECK_STEPS`` (from the step's start to the end of its backward, the reduction
-    included) and, after the last, warns on rank 0 where their median misses the prediction (``plan.check``)."""
+    included) and, after the last, tells on rank 0 where their median misses the prediction by more than 10 %: a
+    warning where the corrected model names a better candidate (``plan.check``), else an info line."""
 
     def __init__(self, chosen: Prediction | None = None, ranked: list[Prediction] | None = None) -> None:
         self.chosen, self.ranked = chosen, ranked or []  # None: nothing planned, nothing to check
@@ -213,6 +251,7 @@ class PlanCheck:
         self.times.append(time.perf_counter() - self.started)
         self.started = None
         if len(self.times) == len(CHECK_STEPS):
-            self.message = check(self.chosen, statistics.median(self.times), self.ranked)
-            if self.message is not None:
-                rank_zero_warn(f"GPipeStrategy: {self.message}")
+            verdict = check(self.chosen, statistics.median(self.times), self.ranked)
+            self.message = None if verdict is None else verdict.message
+            if verdict is not None:  # a warning only where another candidate is predicted faster
+                (rank_zero_info if verdict.better is None else rank_zero_warn)(f"GPipeStrategy: {verdict.message}")

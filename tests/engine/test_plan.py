@@ -173,11 +173,12 @@ def test_check_is_quiet_within_ten_percent_and_names_a_better_candidate_beyond()
     best = ranked[0]
     assert check(best, best.step * 1.09, ranked) is None and check(best, best.step * 0.91, ranked) is None
     slow = check(best, best.step * 2, ranked)
-    assert slow is not None and str(best.candidate) in slow and "+100%" in slow
-    named = [p for p in ranked if p.candidate != best.candidate and f"{p.candidate} would take" in slow]
+    assert slow is not None and str(best.candidate) in slow.message and "+100%" in slow.message
+    named = [p for p in ranked if p.candidate != best.candidate and f"{p.candidate} would take" in slow.message]
     assert len(named) == 1 and named[0].actions < best.actions  # fewer actions to pay the missing time on
+    assert slow.better == named[0]
     fast = check(best, best.step / 2, ranked)  # every cost halved: the order stands
-    assert fast is not None and "-50%" in fast and "the choice stands" in fast
+    assert fast is not None and "-50%" in fast.message and "the choice stands" in fast.message and fast.better is None
     with pytest.raises(ValueError, match="positive number of seconds"):
         check(best, 0.0, ranked)
 

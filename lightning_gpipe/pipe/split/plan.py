@@ -26,7 +26,7 @@ import itertools
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -289,9 +289,9 @@ def describe(predictions: Sequence[Prediction], top: int = 5) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def check(prediction: Prediction, measured_step: float, others: Sequence[Prediction]) -> str | None:
-    """After a few traced steps: None when the measured step is within ``MISS`` of the prediction; else a warning,
-    naming a candidate among ``others`` (that fits) predicted faster by ``MARGIN`` once the model is corrected.
+def check(prediction: Prediction, measured_step: float, others: Sequence[Prediction]) -> Verdict | None:
+    """After a few steps: None when the measured step is within ``MISS`` of the prediction; else what was missed, with
+    a candidate among ``others`` (that fits) predicted faster by ``MARGIN`` once the model is corrected, if any.
 
     The correction: a step slower than predicted is taken as a time per action the profile missed (spread over the
     busiest rank's actions, added to every candidate by its own count: it favours fewer micro-batches); a faster one
@@ -314,11 +314,20 @@ def check(prediction: Prediction, measured_step: float, others: Sequence[Predict
     better = min(rivals, key=corrected, default=None)
     if better is not None and corrected(better) < (1 - MARGIN) * measured_step:
         how = f"{extra * 1e3:.3f} ms more per action" if extra > 0 else f"every cost × {ratio:.2f}"
-        return (
+        return Verdict(
             f"{text}. Corrected for it ({how}), {better.candidate} would take {corrected(better) * 1e3:.3f} ms: "
-            "pass it explicitly (schedule, chunks, virtual_stages, checkpoint) to try it"
+            "pass it explicitly (schedule, chunks, virtual_stages, checkpoint) to try it",
+            better,
         )
-    return f"{text}. Corrected for it, no other candidate is predicted faster by {MARGIN:.0%}: the choice stands"
+    text += f". Corrected for it, no other candidate is predicted faster by {MARGIN:.0%}: the choice stands"
+    return Verdict(text, None)
+
+
+class Verdict(NamedTuple):
+    """:func:`check`'s finding: what it says, and the candidate it names instead (None: the choice stands)."""
+
+    message: str
+    better: Prediction | None
 
 
 def layer_bytes(module: nn.Sequential, sample: Any) -> tuple[list[float], list[float], list[float]]:
