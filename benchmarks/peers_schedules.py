@@ -1,11 +1,12 @@
-"""Ours vs torch.distributed.pipelining beyond GPipe's bubble: zb-h1 vs ZB1P, interleaved-1f1b vs Interleaved1F1B."""
+"""Ours vs torch.distributed.pipelining beyond GPipe's bubble: zero-bubble, interleaved and V schedules, namesakes."""
 
 # What it runs: peers.py's encoder stack (8 Transformer encoder layers, MSE loss) at K = 2 on two processes (gloo,
 # one thread each), every system alternating step by step in the same processes, a step = forward + loss +
 # backward between barriers, medians of clean steps. torch's stages run their layers under one
 # torch.utils.checkpoint (every micro-batch recomputed); ours run with checkpoint="always" (the same
 # re-materialization) and, marked "(except_last)", with ours' default. Interleaved: v = 2 chunks of 2 layers per
-# rank (rank r holds stages r and r + 2) on both sides. Run it from the repo root:
+# rank (rank r holds stages r and r + 2) on both sides; ZB-V: rank r holds stages r and 3 − r (the loss on rank 0)
+# on both sides. Run it from the repo root:
 #   python -m benchmarks.peers_schedules            (--smoke: a small model, about half a minute)
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from benchmarks._lib.machine import (
     zeroed,
 )
 from lightning_gpipe.pipe import GPipeStage
+from lightning_gpipe.pipe.schedule.registry import lookup
 
 FULL = {k: getattr(wl, k) for k in ("LAYERS", "D_MODEL", "HEADS", "FFN", "BATCH", "SEQ")}
 SMOKE = wl.SMOKE_ENCODER
@@ -41,20 +43,27 @@ OURS = {  # system: (schedule, checkpoint, virtual stages per rank)
     "ours 1f1b": ("1f1b", "always", 1),
     "ours zb-h1": ("zb-h1", "always", 1),
     "ours interleaved-1f1b": ("interleaved-1f1b", "always", V),
+    "ours interleaved-zb": ("interleaved-zb", "always", V),
+    "ours zb-v": ("zb-v", "always", V),
     "ours 1f1b (except_last)": ("1f1b", "except_last", 1),
     "ours zb-h1 (except_last)": ("zb-h1", "except_last", 1),
     "ours interleaved-1f1b (except_last)": ("interleaved-1f1b", "except_last", V),
+    "ours zb-v (except_last)": ("zb-v", "except_last", V),
 }
 TORCH = {  # system: (torch's schedule class, virtual stages per rank)
     "torch 1F1B": ("Schedule1F1B", 1),
     "torch ZB1P": ("ScheduleInterleavedZeroBubble", 1),
     "torch Interleaved1F1B": ("ScheduleInterleaved1F1B", V),
+    "torch InterleavedZB": ("ScheduleInterleavedZeroBubble", V),
+    "torch ZBV": ("ScheduleZBVZeroBubble", V),
 }
 SYSTEMS = (*OURS, *TORCH)
 NAMESAKES = {  # ratio of throughputs at the same re-materialization: (ours, torch's)
     "1f1b": ("ours 1f1b", "torch 1F1B"),
     "zb": ("ours zb-h1", "torch ZB1P"),
     "interleaved": ("ours interleaved-1f1b", "torch Interleaved1F1B"),
+    "interleaved_zb": ("ours interleaved-zb", "torch InterleavedZB"),
+    "zbv": ("ours zb-v", "torch ZBV"),
 }
 FIXED_COLS = (
     "system|system|; M|M|; median_ms|median ms|.1f; min_ms|min|.1f; max_ms|max|.1f; samples_per_s|samples/s|.1f; "
@@ -62,41 +71,48 @@ FIXED_COLS = (
 )
 RATIO_COLS = (
     "M|M|; 1f1b|ours 1f1b / torch 1F1B|.2f; zb|**ours zb-h1 / torch ZB1P**|.2f; interleaved|**ours "
-    "interleaved-1f1b / torch Interleaved1F1B**|.2f; fastest|**ours fastest / torch fastest**|.2f; "
+    "interleaved-1f1b / torch Interleaved1F1B**|.2f; interleaved_zb|**ours interleaved-zb / torch "
+    "InterleavedZB**|.2f; zbv|**ours zb-v / torch ZBV**|.2f; fastest|**ours fastest / torch fastest**|.2f; "
     "ours_fastest|ours fastest|; torch_fastest|torch fastest|"
 )
 
 
 def _ours(model: nn.Sequential, M: int, group: Any, schedule: str, mode: str, v: int) -> GPipeStage:
-    n = wl.LAYERS // (2 * v)
+    n, placement = wl.LAYERS // (2 * v), lookup(schedule).placement
     return GPipeStage(
-        copy.deepcopy(model), chunks=M, balance=[n] * (2 * v), checkpoint=mode, group=group, virtual_stages=v
-    )
+        copy.deepcopy(model), chunks=M, balance=[n] * (2 * v), checkpoint=mode, group=group, virtual_stages=v,
+        placement=placement,
+    )  # fmt: skip
+
+
+def _held(rank: int, v: int, cls_name: str) -> list[int]:
+    """The stages this rank holds of the 2v: interleaved r, r + 2, …; in ZBV's V, r and 3 − r."""
+    return [rank, 2 * v - 1 - rank] if cls_name == "ScheduleZBVZeroBubble" else list(range(rank, 2 * v, 2))
 
 
 def _torch(model: nn.Sequential, rank: int, M: int, group: Any, cls_name: str, v: int) -> tuple[Any, nn.Module]:
-    """torch's schedule over this rank's v stages (rank r holds stages r, r + 2, …), each checkpointed whole."""
+    """torch's schedule over this rank's v stages (``_held``), each checkpointed whole."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
 
-    n, layers = wl.LAYERS // (2 * v), list(model)
-    modules = [wl.CheckpointedStage(copy.deepcopy(layers[s * n : (s + 1) * n]), "stage") for s in range(rank, 2 * v, 2)]
-    stages = [
-        PipelineStage(m, s, 2 * v, torch.device("cpu"), group=group) for m, s in zip(modules, range(rank, 2 * v, 2))
-    ]
+    n, layers, held = wl.LAYERS // (2 * v), list(model), _held(rank, v, cls_name)
+    modules = [wl.CheckpointedStage(copy.deepcopy(layers[s * n : (s + 1) * n]), "stage") for s in held]
+    stages = [PipelineStage(m, s, 2 * v, torch.device("cpu"), group=group) for m, s in zip(modules, held)]
     cls = getattr(pipelining, cls_name)
     schedule = cls(stages[0] if cls_name == "Schedule1F1B" else stages, n_microbatches=M, loss_fn=F.mse_loss)
     return schedule, nn.ModuleList(modules)
 
 
-def _torch_step(schedule: Any, rank: int, x: torch.Tensor, y: torch.Tensor) -> float | None:
-    """torch's step: rank 0 feeds the input (it holds the first stage), rank 1 the target (it holds the last)."""
-    if rank == 1:
-        losses: list[torch.Tensor] = []
-        schedule.step(target=y, losses=losses, return_outputs=False)
-        return torch.stack([loss.detach() for loss in losses]).mean().item()
-    schedule.step(x, return_outputs=False)
-    return None
+def _torch_step(schedule: Any, rank: int, x: torch.Tensor, y: torch.Tensor, last: int = 1) -> float | None:
+    """torch's step: rank 0 feeds the input (it holds the first stage), rank ``last`` the target (it holds the last:
+    rank 0 too in a V, where rank 1 holds only middle stages)."""
+    inputs = (x,) if rank == 0 else ()
+    if rank != last:
+        schedule.step(*inputs, return_outputs=False)
+        return None
+    losses: list[torch.Tensor] = []
+    schedule.step(*inputs, target=y, losses=losses, return_outputs=False)
+    return torch.stack([loss.detach() for loss in losses]).mean().item()
 
 
 def run_job(rank: int, world: int, job: dict) -> dict:
@@ -115,9 +131,10 @@ def run_job(rank: int, world: int, job: dict) -> dict:
             grads_of[name] = lambda s=stage: {n: p.grad for n, p in s.named_parameters()}
         for name, (cls_name, v) in TORCH.items():
             schedule, modules = _torch(model, rank, M, groups[name], cls_name, v)
-            runners[name] = zeroed(modules, lambda s=schedule: _torch_step(s, rank, x, y))
+            last = 0 if cls_name == "ScheduleZBVZeroBubble" else 1
+            runners[name] = zeroed(modules, lambda s=schedule, last=last: _torch_step(s, rank, x, y, last))
             n = wl.LAYERS // (2 * v)
-            starts = [s * n for s in range(rank, 2 * v, 2)]
+            starts = [s * n for s in _held(rank, v, cls_name)]
 
             def torch_grads(modules: nn.Module = modules, starts: list[int] = starts) -> dict[str, torch.Tensor]:
                 got = {}
