@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import statistics
 import time
 from typing import Any
@@ -40,7 +39,7 @@ from lightning_gpipe.pipe.split.plan import (
 from lightning_gpipe.pipe.state.buffers import StatefulBuffers
 from lightning_gpipe.pipe.state.rematerialize import CHECKPOINT_MODES
 from lightning_gpipe.pipe.trace.events import Timeline
-from lightning_gpipe.strategy._balance import backbone_input
+from lightning_gpipe.strategy._balance import _picklable, backbone_input
 
 AUTO_ARGUMENTS = ("schedule", "chunks", "virtual_stages", "activation_checkpointing")
 # The training steps timed for the check: the first ones warm caches and allocators up.
@@ -219,14 +218,6 @@ def _host_per_action(device: torch.device, M: int = 8, repeat: int = 5) -> float
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) / (2 * M)
-
-
-def _picklable(obj: Any) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:
-        return False
-    return True
 
 
 class PlanCheck:

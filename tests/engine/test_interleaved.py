@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
+from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe.comm.nccl_order import ENV
 from lightning_gpipe.pipe.errors import PipelineError
 from lightning_gpipe.pipe.trace.gantt import block_label
 from tests.helpers import models
-from tests.helpers.chunked import F32, F64, TOLS, D, chain, micro_losses, parity_worker, rel_err, tied
+from tests.helpers.chunked import F32, F64, TOLS, D, batchnorm_worker, chain, micro_losses, parity_worker, rel_err, tied
 from tests.helpers.launch import run_distributed
 
 
@@ -92,47 +92,9 @@ def test_each_rank_holds_every_kth_chunk_under_the_plain_names() -> None:
     )
 
 
-def batchnorm_worker(rank: int, world_size: int) -> dict[str, float]:
-    """Deferred BatchNorm in chunks on both ranks: micro-batch normalization, statistics committed once per step."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*models.with_bn(), *models.with_bn()).double()
-    ref = copy.deepcopy(model)
-    bns = [i for i, layer in enumerate(model) if isinstance(layer, nn.BatchNorm1d)]
-    M = 4
-    stage = GPipeStage(model, chunks=M, balance=[3, 3, 3, 3], virtual_stages=2)
-    full_bn = {i: copy.deepcopy(ref[i]) for i in bns}
-    ref_params = dict(ref.named_parameters())
-    errs = {"grad": 0.0, "mean": 0.0, "var": 0.0, "tracked": 0.0}
-    for step, N in enumerate((10, 13)):
-        x = models.make_input("mlp", N, seed=step).double()
-        inputs: dict[int, list[torch.Tensor]] = {i: [] for i in bns}
-        hooks = [ref[i].register_forward_pre_hook(lambda _, a, got=got: got.append(a[0])) for i, got in inputs.items()]
-        sizes = micro_batch_sizes(N, M)
-        ref_out = torch.cat([ref(mb) for mb in x.split(sizes)])
-        for h in hooks:
-            h.remove()
-        for i, bn in full_bn.items():
-            bn(torch.cat(inputs[i]))
-        tgt = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step)).double()
-        ref.zero_grad()
-        models.loss_fn(ref_out, tgt).backward()
-        stage.zero_grad()
-        stage.forward_backward(x, micro_losses(tgt, sizes), schedule="interleaved-1f1b")
-        scale = max(ref_params[n].grad.abs().max().item() for n, _ in stage.named_parameters())
-        diffs = [(p.grad - ref_params[n].grad).abs().max().item() / scale for n, p in stage.named_parameters()]
-        errs["grad"] = max([errs["grad"], *diffs])
-    for name, module in stage.named_children():
-        if int(name) in full_bn:
-            bn = full_bn[int(name)]
-            errs["mean"] = max(errs["mean"], rel_err(module.running_mean, bn.running_mean))
-            errs["var"] = max(errs["var"], rel_err(module.running_var, bn.running_var))
-            errs["tracked"] = max(errs["tracked"], float(int(module.num_batches_tracked) != 2))
-    return errs
-
-
 @pytest.mark.timeout(60)
 def test_deferred_batchnorm_commits_each_chunks_statistics_once_per_step() -> None:
-    for rank, errs in enumerate(run_distributed(batchnorm_worker, 2, timeout=50)):
+    for rank, errs in enumerate(run_distributed(batchnorm_worker, 2, "interleaved-1f1b", timeout=50)):
         assert all(e <= 1e-12 for e in errs.values()), (rank, errs)
 
 

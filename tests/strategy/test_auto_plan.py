@@ -18,26 +18,23 @@ from tests.helpers.pipeline_loss_fit import HookModule, fit
 from tests.helpers.tiny_fit import BATCH, TOL, TinyPipelined
 
 
-class Planned(HookModule):
-    """HookModule with a forward and an example mini-batch: what the plan measures the backbone on."""
+class _Example:
+    """A forward and an example mini-batch: what the plan measures the backbone on."""
 
     def __init__(self) -> None:
         super().__init__()
         self.example_input_array = torch.randn(BATCH, models.D, generator=torch.Generator().manual_seed(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(self.prefix(x)))
+        return self.head(self.backbone(self.prefix(x)))  # type: ignore[attr-defined]
 
 
-class PlannedOutside(TinyPipelined):
-    """The loss outside the pipeline (no pipeline_loss hook): training runs GPipe's phases, whatever the plan."""
+class Planned(_Example, HookModule):
+    """The loss inside the pipeline (its pipeline_loss hook)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.example_input_array = torch.randn(BATCH, models.D, generator=torch.Generator().manual_seed(3))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(self.prefix(x)))
+class PlannedOutside(_Example, TinyPipelined):
+    """The loss outside the pipeline (no hook): training runs GPipe's phases, whatever the plan."""
 
 
 def worker(rank: int, world_size: int, kind: type, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 zb-h1 splits the backwards of the linear, convolution and embedding ops it meets inside the modules, as the libraries
 wrote them (timm's ConvNeXt runs its MLP's Linear on a channels-last permute, MLP-Mixer its token mixing on a
 transpose, MobileNetV3 depthwise and squeeze-excite convolutions); interleaving (1F1B and zero bubble) cuts each
-backbone into 2K chunks.
+backbone into 2K chunks, and so does zb-v, placed in a V.
 Each family runs with its head and loss inside the pipeline (``families.INSIDE``), K = 2, float64: after a short fit
 every weight and buffer equals the plain run's.
 """
@@ -22,7 +22,8 @@ from tests.helpers.habits_modules import BATCH, STEPS, make_module, plain_run, s
 from tests.helpers.launch import quiet_trainer, run_distributed
 
 TOL = 1e-10  # float64
-SCHEDULES = {"zb-h1": 1, "interleaved-1f1b": 2, "interleaved-zb": 2}  # schedule: virtual stages per rank (v)
+# schedule: virtual stages per rank (v); zb-v's two chunks sit in a V (the head and loss on rank 0)
+SCHEDULES = {"zb-h1": 1, "interleaved-1f1b": 2, "interleaved-zb": 2, "zb-v": 2}
 K = 2
 
 
