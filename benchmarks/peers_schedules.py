@@ -6,7 +6,8 @@
 # torch.utils.checkpoint (every micro-batch recomputed); ours run with checkpoint="always" (the same
 # re-materialization) and, marked "(except_last)", with ours' default. Interleaved: v = 2 chunks of 2 layers per
 # rank (rank r holds stages r and r + 2) on both sides; ZB-V: rank r holds stages r and 3 − r (the loss on rank 0)
-# on both sides. Run it from the repo root:
+# on both sides. With --rematerialization never neither side recomputes (torch's stages run their layers plainly,
+# ours checkpoint="never"): the same work, where the host work per op and per message decides. From the repo root:
 #   python -m benchmarks.peers_schedules            (--smoke: a small model, about half a minute)
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ TORCH = {  # system: (torch's schedule class, virtual stages per rank)
     "torch InterleavedZB": ("ScheduleInterleavedZeroBubble", V),
     "torch ZBV": ("ScheduleZBVZeroBubble", V),
 }
-SYSTEMS = (*OURS, *TORCH)
 NAMESAKES = {  # ratio of throughputs at the same re-materialization: (ours, torch's)
     "1f1b": ("ours 1f1b", "torch 1F1B"),
     "zb": ("ours zb-h1", "torch ZB1P"),
@@ -90,13 +90,23 @@ def _held(rank: int, v: int, cls_name: str) -> list[int]:
     return [rank, 2 * v - 1 - rank] if cls_name == "ScheduleZBVZeroBubble" else list(range(rank, 2 * v, 2))
 
 
-def _torch(model: nn.Sequential, rank: int, M: int, group: Any, cls_name: str, v: int) -> tuple[Any, nn.Module]:
-    """torch's schedule over this rank's v stages (``_held``), each checkpointed whole."""
+def _systems(remat: str) -> dict[str, tuple[str, str, int]]:
+    """Ours at ``remat``: every micro-batch recomputed ("always", with ours' default beside it) or none ("never")."""
+    if remat == "never":
+        return {name: (k, "never", v) for name, (k, mode, v) in OURS.items() if mode == "always"}
+    return OURS
+
+
+def _torch(
+    model: nn.Sequential, rank: int, M: int, group: Any, cls_name: str, v: int, remat: str
+) -> tuple[Any, nn.Module]:
+    """torch's schedule over this rank's v stages (``_held``), each checkpointed whole (or, ``never``, plain)."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
 
     n, layers, held = wl.LAYERS // (2 * v), list(model), _held(rank, v, cls_name)
-    modules = [wl.CheckpointedStage(copy.deepcopy(layers[s * n : (s + 1) * n]), "stage") for s in held]
+    mode = "none" if remat == "never" else "stage"
+    modules = [wl.CheckpointedStage(copy.deepcopy(layers[s * n : (s + 1) * n]), mode) for s in held]
     stages = [PipelineStage(m, s, 2 * v, torch.device("cpu"), group=group) for m, s in zip(modules, held)]
     cls = getattr(pipelining, cls_name)
     schedule = cls(stages[0] if cls_name == "Schedule1F1B" else stages, n_microbatches=M, loss_fn=F.mse_loss)
@@ -122,15 +132,16 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     wl.plain_step(ref, x, y)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     out: dict[str, Any] = {"fixed": {}}
+    ours = _systems(job["rematerialization"])
     for M in job["micro_batches"]:
-        groups = {name: dist.new_group([0, 1]) for name in SYSTEMS}
+        groups = {name: dist.new_group([0, 1]) for name in (*ours, *TORCH)}
         runners, grads_of = {}, {}
-        for name, (schedule, mode, v) in OURS.items():
+        for name, (schedule, mode, v) in ours.items():
             stage = _ours(model, M, groups[name], schedule, mode, v)
             runners[name] = zeroed(stage, lambda s=stage, k=schedule: wl.ours_forward_backward(s, x, y, k))
             grads_of[name] = lambda s=stage: {n: p.grad for n, p in s.named_parameters()}
         for name, (cls_name, v) in TORCH.items():
-            schedule, modules = _torch(model, rank, M, groups[name], cls_name, v)
+            schedule, modules = _torch(model, rank, M, groups[name], cls_name, v, job["rematerialization"])
             last = 0 if cls_name == "ScheduleZBVZeroBubble" else 1
             runners[name] = zeroed(modules, lambda s=schedule, last=last: _torch_step(s, rank, x, y, last))
             n = wl.LAYERS // (2 * v)
@@ -158,16 +169,18 @@ def run_job(rank: int, world: int, job: dict) -> dict:
     return out
 
 
-def tabulate(raw: dict, micro_batches: list[int]) -> tuple[list[dict], list[dict]]:
+def tabulate(raw: dict, micro_batches: list[int], remat: str) -> tuple[list[dict], list[dict]]:
     rows, ratios = [], []
+    ours = _systems(remat)
     for M in micro_batches:
         entry = raw["fixed"][str(M)]
-        st = {name: stats(entry["records"][name], wl.BATCH) for name in SYSTEMS}
-        med = {name: st[name]["median_ms"] for name in SYSTEMS}
-        for name in SYSTEMS:
+        systems = (*ours, *TORCH)
+        st = {name: stats(entry["records"][name], wl.BATCH) for name in systems}
+        med = {name: st[name]["median_ms"] for name in systems}
+        for name in systems:
             clean = f"{st[name]['clean_steps']}/{st[name]['timed_steps']}"
             rows.append({"system": name, "M": M, **st[name], "clean": clean, "grad_diff": entry["grad_diff"][name]})
-        ours_fastest, torch_fastest = min(OURS, key=med.__getitem__), min(TORCH, key=med.__getitem__)
+        ours_fastest, torch_fastest = min(ours, key=med.__getitem__), min(TORCH, key=med.__getitem__)
         ratio = {k: med[b] / med[a] for k, (a, b) in NAMESAKES.items()}
         ratio |= {"fastest": med[torch_fastest] / med[ours_fastest], "ours_fastest": ours_fastest}
         ratios.append({"M": M, **ratio, "torch_fastest": torch_fastest})
@@ -202,6 +215,10 @@ def main() -> None:
     add_timing_args(parser)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8], metavar="M")
     parser.add_argument("--out-dir", default=str(report.RESULTS))
+    parser.add_argument(
+        "--rematerialization", choices=["always", "never"], default="always",
+        help="always: every micro-batch recomputed on both sides; never: none on either side",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="small model, M=4, 5 steps, no quiet waits")
     args = parser.parse_args()
     if args.smoke:
@@ -211,10 +228,10 @@ def main() -> None:
     wl.configure(shape)
     t_start = time.perf_counter()
     env = report.environment(threads_per_process=1, processes="2 workers spawned by the script (gloo, 127.0.0.1)")
-    job = dict(shape=shape, timing=timing, micro_batches=args.micro_batches)
+    job = dict(shape=shape, timing=timing, micro_batches=args.micro_batches, rematerialization=args.rematerialization)
     waited = wait_quiet(args.wait_quiet, args.clean_threshold)
     raw = launch(run_job, 2, job)
-    rows, ratios = tabulate(raw, args.micro_batches)
+    rows, ratios = tabulate(raw, args.micro_batches, args.rematerialization)
     total = time.perf_counter() - t_start
     md = "\n\n".join(
         [
@@ -224,9 +241,15 @@ def main() -> None:
             ),
             f"Model: {wl.LAYERS} × TransformerEncoderLayer(d={wl.D_MODEL}, heads={wl.HEADS}, ffn={wl.FFN}, dropout "
             f"0), MSE loss per micro-batch on the last stage, batch {wl.BATCH} × {wl.SEQ}, K = 2; interleaved: "
-            f"v = {V} chunks of {wl.LAYERS // 4} layers per rank. torch's stages: one torch.utils.checkpoint each "
-            '(every micro-batch recomputed); ours: checkpoint="always" (the same) or, marked (except_last), ours\' '
-            "default. Every system alternates step by step in the same two processes; a step = forward + loss + "
+            f"v = {V} chunks of {wl.LAYERS // 4} layers per rank. "
+            + (
+                "No re-materialization on either side: torch's stages run their layers plainly, ours "
+                'checkpoint="never". '
+                if args.rematerialization == "never"
+                else "torch's stages: one torch.utils.checkpoint each (every micro-batch recomputed); ours: "
+                'checkpoint="always" (the same) or, marked (except_last), ours\' default. '
+            )
+            + "Every system alternates step by step in the same two processes; a step = forward + loss + "
             "backward between barriers; medians of clean steps. Ratios: throughput of the first over the second.",
             report.markdown_table(rows, report.columns(FIXED_COLS)),
             report.markdown_table(ratios, report.columns(RATIO_COLS)),

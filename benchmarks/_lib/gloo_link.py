@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.pipe.comm.transport import TensorMeta, Transport
+from lightning_gpipe.pipe.comm.framing import TensorMeta
+from lightning_gpipe.pipe.comm.transport import Transport
 
 
 @dataclass(frozen=True)

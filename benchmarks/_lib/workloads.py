@@ -160,7 +160,8 @@ class CheckpointedStage(nn.Module):
     """torch's stage module: its layers re-materialized in the backward pass by torch.utils.checkpoint.
 
     ``stage`` checkpoints the layers as one call, so a stage keeps only its input per micro-batch, as ours does for a
-    checkpointed micro-batch; ``layer`` checkpoints each layer (more saved inputs, same compute).
+    checkpointed micro-batch; ``layer`` checkpoints each layer (more saved inputs, same compute); ``none`` runs the
+    layers plainly (every activation kept, as ours under ``checkpoint="never"``).
     """
 
     def __init__(self, layers: list[nn.Module], mode: str) -> None:
@@ -171,6 +172,8 @@ class CheckpointedStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
+        if self.mode == "none":
+            return self.layers(x)
         if self.mode == "stage":
             return checkpoint(self.layers, x, use_reentrant=False)
         for layer in self.layers:

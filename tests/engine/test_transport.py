@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from lightning_gpipe.pipe.comm.transport import HEADER_BYTES, OUTPUT_TAG, TensorMeta, Transport
+from lightning_gpipe.pipe.comm.framing import HEADER_BYTES, INLINE_MAX, Sizes, TensorMeta, layout
+from lightning_gpipe.pipe.comm.transport import OUTPUT_TAG, Transport
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from tests.helpers.launch import run_distributed
 
@@ -275,6 +276,7 @@ def ahead_worker(rank: int, world_size: int) -> list[str]:
     (its second part is the next message on the tag), and an error header raises where the receive is taken."""
     tr = make_transport()
     tr.posts_ahead = True  # as on NCCL; gloo's own transfers gain nothing from it
+    tr.sizes_out, tr.sizes_in = Sizes(False), Sizes(False)  # and, as there, every header apart from its tensors
     big = {"names": [f"name {i}" * 4 for i in range(60)], "t": torch.arange(6.0)}  # a header past HEADER_BYTES
     if rank == SENDER:
         tr.send(RECEIVER, torch.arange(3.0), m=0)
@@ -371,3 +373,55 @@ def test_stage_inputs_are_received_ahead(path: str) -> None:
     comes between). On plain gloo none is."""
     assert run_distributed(inputs_ahead_worker, 2, path, timeout=45) == [[0], [3]]
     assert run_distributed(inputs_ahead_worker, 2, path, False, timeout=45) == [[0], [0]]
+
+
+def framing_worker(rank: int, world_size: int) -> list[int] | bool:
+    """Messages of the shapes just seen on a link travel as one (header and tensors), others as the header and then
+    each tensor; an error notice after a large message still fits the size both ends agreed."""
+    tr = make_transport()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 16, generator=g), torch.randn(32, 8, generator=g).double()
+    big = torch.randn(INLINE_MAX // 4 + 1, generator=g)  # past INLINE_MAX: its tensor goes apart
+    seq = [a, a, b, a, b, big, a, torch.randn(300, 16, generator=g), a]
+    if rank == SENDER:
+        counts = []
+        for t in seq:
+            before = len(tr._pending_sends)
+            tr.send(RECEIVER, t)
+            counts.append(len(tr._pending_sends) - before)
+        tr.send_error(RECEIVER, PipelineError("stage 0 broke", stage=0, phase="forward"))
+        tr.send(RECEIVER, a)
+        tr.wait_sends()
+        return counts
+    for i, t in enumerate(seq):
+        got, _ = tr.recv(SENDER, f"message {i}")
+        assert torch.equal(got, t) and got.is_leaf, i
+    with pytest.raises(PipelineError, match="stage 0 broke"):
+        tr.recv(SENDER, "an error")
+    first = tr.post_recv(SENDER, "the last one")
+    with pytest.raises(RuntimeError, match="second receive from stage 0 on tag 0 before reading the first"):
+        tr.post_recv(SENDER, "one more")
+    assert torch.equal(first.wait()[0], a)
+    return tr.bytes_received[SENDER] == sum(t.numel() * t.element_size() for t in [*seq, a])
+
+
+@pytest.mark.timeout(60)
+def test_messages_of_the_shapes_just_seen_travel_as_one() -> None:
+    counts, received_all = run_distributed(framing_worker, 2, timeout=45)
+    # a: apart (the first message's size is HEADER_BYTES), then one; b, smaller, fits a's size; big goes apart; a
+    # fits the size the window still holds; a larger shape goes apart.
+    assert counts == [2, 1, 1, 1, 1, 2, 1, 2, 1]
+    assert received_all is True
+
+
+def test_sizes_agree_and_stay_fixed_where_tensors_travel_apart() -> None:
+    inline, apart = Sizes(True), Sizes(False)
+    metas = [TensorMeta(torch.float32, (64, 16), False)]
+    offsets, end = layout(200, metas)
+    assert offsets[0] % 64 == 0 and end >= 200 + 64 * 16 * 4
+    for sizes in (inline, apart):
+        assert sizes.size((1, 0)) == HEADER_BYTES and not sizes.fits(HEADER_BYTES, metas, end)
+        sizes.record((1, 0), end)
+    assert inline.size((1, 0)) >= end and inline.fits(inline.size((1, 0)), metas, end)
+    assert inline.size((1, 2)) == HEADER_BYTES  # another tag: its own history
+    assert apart.size((1, 0)) == HEADER_BYTES and not apart.fits(10 * end, metas, end)

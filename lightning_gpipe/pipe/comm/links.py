@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from lightning_gpipe.pipe._torch_internals import tree_map
+from lightning_gpipe.pipe.comm.framing import TensorMeta
 from lightning_gpipe.pipe.comm.status import StatusCheck
-from lightning_gpipe.pipe.comm.transport import OUTPUT_TAG, TensorMeta, Transport, skip_tags
+from lightning_gpipe.pipe.comm.transport import OUTPUT_TAG, Transport, skip_tags
 from lightning_gpipe.pipe.microbatch import differentiable, tensors
 from lightning_gpipe.pipe.skips import StageSkips
 from lightning_gpipe.pipe.trace.events import Timeline

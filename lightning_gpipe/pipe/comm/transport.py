@@ -1,9 +1,10 @@
 """Point-to-point transport of nested tensor structures between stages, each message with a self-describing header.
 
-A message is one fixed-size header (plus an overflow part for very large structures) followed by the raw bytes of
-each tensor. The header says the structure, every tensor's dtype, shape and whether it needs a gradient, so shapes
-and dtypes may change with every message. Headers travel on a CPU (gloo) group, tensors on data groups (gloo on
-CPU, NCCL on GPU). NCCL runs one communicator's transfers in posting order and a large send ends only when its
+A message is a header (plus an overflow part for very large structures) and the raw bytes of each tensor. The header
+says the structure, every tensor's dtype, shape and whether it needs a gradient, so shapes and dtypes may change
+with every message. Headers travel on a CPU (gloo) group, tensors on data groups (gloo on CPU, NCCL on GPU); on gloo
+between CPU processes a message of the shapes just seen on its link carries its tensors beside its header, in one
+message (``framing``). NCCL runs one communicator's transfers in posting order and a large send ends only when its
 receive runs, so activations and gradients queued on one communicator form a cycle (stage 0: send a0, send a1,
 recv g0; the last stage: recv a0, send g0, recv a1) that hangs, and a middle stage's receive from k − 1 would wait
 behind its own send to k + 1. Where order matters each link and direction has a group of its own over its two ranks
@@ -23,10 +24,8 @@ receive posted after a compute waits for that compute on the stream.
 from __future__ import annotations
 
 import pickle
-import struct
 import time
 from collections import Counter, defaultdict, deque
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -35,16 +34,15 @@ import torch.distributed as dist
 
 from lightning_gpipe.pipe._torch_internals import abort_together, tree_flatten, tree_map
 from lightning_gpipe.pipe.comm import nccl_order
+from lightning_gpipe.pipe.comm.framing import LEN, Sizes, TensorMeta, layout, pack, unpack, wire
 from lightning_gpipe.pipe.errors import PipelineError, PipelineTimeout
 from lightning_gpipe.pipe.microbatch import differentiable
 
-HEADER_BYTES = 1024
 # How gloo and NCCL word a wait that ran out, and a peer that went away (NCCL's watchdog, ProcessGroupNCCL.cpp).
 _TIMED_OUT = ("imed out", "before timing out")
 _PEER_GONE = ("onnection", "remote process exiting", "communicator was aborted")
 # How long a stage waits for a peer before raising PipelineTimeout, unless told otherwise (torch.distributed's default).
 DEFAULT_TIMEOUT_S = 1800.0
-_LEN = struct.Struct("<q")
 # Tags keep headers apart from tensor bytes, input gradients (going upstream) apart from activations, the output
 # apart from the chain's traffic, and long skips (``skips``) apart from all and from each other (``skip_tags``): two
 # ranks may exchange activations and gradients in the same direction (interleaving at K = 2), each end in its own
@@ -64,13 +62,6 @@ SkipGroups = dict[int, tuple[dist.ProcessGroup, int]]
 LinkGroups = dict[tuple[int, int, bool], tuple[dist.ProcessGroup, int]]
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    requires_grad: bool
-
-
 class _Slot:
     """Stands in a pickled structure for the i-th tensor of the message."""
 
@@ -83,23 +74,28 @@ class _Slot:
         return (_Slot, (self.i,))
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 class PendingRecv:
     """A receive already posted; ``wait`` returns the structure or raises the error a peer sent instead."""
 
     def __init__(self, transport: Transport, src: int, tag: int, expect: list[TensorMeta] | None, what: str) -> None:
         self.transport, self.src, self.tag, self.expect, self.what = transport, src, tag, expect, what
+        if transport._unread[src, tag] and transport.sizes_in.inline:
+            raise RuntimeError(
+                f"stage {transport.stage} posted a second receive from stage {src} on tag {tag} before reading the "
+                "first: its size depends on the first one's (framing.Sizes)"
+            )
+        transport._unread[src, tag] += 1
+        self.size = transport.sizes_in.size((src, tag))
         # Zeros: a length that is not 0 is a header arriving (see poll).
-        self.header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        self.header = torch.zeros(self.size, dtype=torch.uint8)
         self.header_work = transport._irecv(self.header, src, tag, header=True)
         self.tensors: list[torch.Tensor] = []
         self.works: list[Any] = []
         self._header_in = False  # its wait returned
         self._read: dict | None = None  # the header, once read
-        if expect is not None:
+        # Where the tensors may come in the header's message, they are posted once it says they do not.
+        self._posted = expect is not None and not transport.sizes_in.inline
+        if self._posted:
             # The shapes are known (gradients of what this stage sent), so the bytes can flow before we ask for them.
             self._post_tensors(expect)
 
@@ -108,7 +104,7 @@ class PendingRecv:
             t = torch.empty(meta.shape, dtype=meta.dtype, device=self.transport.device)
             self.tensors.append(t)
             if t.numel():
-                self.works.append(self.transport._irecv(_wire(t), self.src, self.tag + 1, header=False))
+                self.works.append(self.transport._irecv(wire(t), self.src, self.tag + 1, header=False))
 
     def poll(self) -> None:
         """Post the tensors' receives if the header has come, without waiting: a receive posted ahead
@@ -120,31 +116,40 @@ class PendingRecv:
         """Whether the header is here or on its way in. gloo reports a receive complete only from its ``wait()``, but
         its transports write the bytes into the buffer as they come: a length that is not 0 says the header is
         arriving, and the wait that follows is for the rest of one KiB at most."""
-        return bool(self.header[: _LEN.size].any()) or _ended(self.header_work)
+        return bool(self.header[: LEN.size].any()) or _ended(self.header_work)
 
     def _read_header(self, whole_only: bool = False) -> None:
         tr = self.transport
         if not self._header_in:  # never twice: a second wait on a gloo receive waits for another message
             tr._wait(self.header_work, f"the header of {self.what}", self.src)
             self._header_in = True
-        n = _LEN.unpack(self.header[: _LEN.size].numpy().tobytes())[0]
-        payload = self.header[_LEN.size : _LEN.size + n].numpy().tobytes()
-        if n > HEADER_BYTES - _LEN.size:
+        raw = self.header.numpy()
+        n = LEN.unpack_from(raw)[0]
+        payload = raw[LEN.size : LEN.size + n].tobytes()
+        if n > self.size - LEN.size:
             if whole_only:  # its second part is the next message on the tag: read where the caller waits
                 return
-            rest = torch.empty(n - (HEADER_BYTES - _LEN.size), dtype=torch.uint8)
+            rest = torch.empty(n - (self.size - LEN.size), dtype=torch.uint8)
             tr._wait(tr._irecv(rest, self.src, self.tag, header=True), f"the header of {self.what}", self.src)
             payload += rest.numpy().tobytes()
         self._read = header = pickle.loads(payload)
+        metas: list[TensorMeta] = header.get("metas", [])
+        key = self.src, self.tag
+        tr._unread[key] -= 1
+        offsets, end = layout(n, metas)
+        inline = tr.sizes_in.fits(self.size, metas, end)
+        tr.sizes_in.record(key, end)
         if "error" in header:
             return
-        metas: list[TensorMeta] = header["metas"]
-        if self.expect is None:
-            self._post_tensors(metas)
-        elif [(m.dtype, m.shape) for m in metas] != [(m.dtype, m.shape) for m in self.expect]:
+        if self.expect is not None and [(m.dtype, m.shape) for m in metas] != [(m.dtype, m.shape) for m in self.expect]:
             raise RuntimeError(
                 f"stage {self.src} sent {metas} for {self.what}, but stage {tr.stage} expected {self.expect}"
             )
+        if inline:
+            self.tensors = unpack(self.header, metas, offsets)
+            tr.bytes_received[self.src] += sum(t.numel() * t.element_size() for t in self.tensors)
+        elif not self._posted:
+            self._post_tensors(metas)
 
     def wait(self) -> tuple[Any, dict]:
         tr = self.transport
@@ -203,6 +208,11 @@ class Transport:
         # Tensor bytes by peer stage, since the transport was made: what each link carried, measured.
         self.bytes_sent: Counter[int] = Counter()
         self.bytes_received: Counter[int] = Counter()
+        # Each message's size, agreed by both ends (framing): with the tensors beside the header where the data
+        # travels on gloo too (CPU processes, no model of NCCL's order, which the data groups alone follow).
+        inline = not self.stream_waits and not self._models_nccl and device.type == "cpu"
+        self.sizes_out, self.sizes_in = Sizes(inline), Sizes(inline)
+        self._unread: Counter[tuple[int, int]] = Counter()  # receives posted and not yet read, by (source, tag)
 
     def add_skip_groups(self, groups: SkipGroups) -> None:
         """Send the tensors of each data tag in ``groups`` on its group (``groups.skip_groups``, made where transfers
@@ -281,17 +291,19 @@ class Transport:
         except RuntimeError as e:
             raise self._lost(e, f"{what} from stage {peer}", peer) from e
 
-    def _send_header(self, dst: int, header: dict, tag: int) -> None:
+    def _send_header(self, dst: int, header: dict, tag: int, tensors: list[torch.Tensor] | None = None) -> bool:
+        """Queue the header, with ``tensors``' bytes in its message where they fit; whether they did."""
         payload = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
-        first = HEADER_BYTES - _LEN.size
-        buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        buf[: _LEN.size] = torch.frombuffer(bytearray(_LEN.pack(len(payload))), dtype=torch.uint8)
-        head = payload[:first]
-        if head:
-            buf[_LEN.size : _LEN.size + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        self._isend(buf, dst, tag, header=True)
-        if len(payload) > first:
-            self._isend(torch.frombuffer(bytearray(payload[first:]), dtype=torch.uint8), dst, tag, header=True)
+        metas: list[TensorMeta] = header.get("metas", [])
+        key, (offsets, end) = (dst, tag), layout(len(payload), metas)
+        size = self.sizes_out.size(key)
+        inline = self.sizes_out.fits(size, metas, end)
+        self._isend(pack(payload, size, *((tensors or [], offsets) if inline else ())), dst, tag, header=True)
+        if len(payload) > size - LEN.size:
+            rest = payload[size - LEN.size :]
+            self._isend(torch.frombuffer(bytearray(rest), dtype=torch.uint8), dst, tag, header=True)
+        self.sizes_out.record(key, end)
+        return inline
 
     def send(
         self, dst: int, obj: Any, *, requires_grad: list[bool] | None = None, tag: int = HEADER_TAG, **fields: Any
@@ -304,10 +316,12 @@ class Transport:
         if requires_grad is None:
             requires_grad = [t.requires_grad for t in tensors]
         metas = [TensorMeta(t.dtype, tuple(t.shape), rg) for t, rg in zip(tensors, requires_grad)]
-        self._send_header(dst, {"skeleton": skeleton, "metas": metas, "fields": fields}, tag)
+        if self._send_header(dst, {"skeleton": skeleton, "metas": metas, "fields": fields}, tag, tensors):
+            self.bytes_sent[dst] += sum(t.numel() * t.element_size() for t in tensors)
+            return metas
         for t in tensors:
             if t.numel():
-                self._isend(_wire(t), dst, tag + 1, header=False)
+                self._isend(wire(t), dst, tag + 1, header=False)
         return metas
 
     def post_recv(

@@ -14,8 +14,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lightning_gpipe.pipe.comm.framing import TensorMeta
 from lightning_gpipe.pipe.comm.links import Links, check_header
-from lightning_gpipe.pipe.comm.transport import GRAD_TAG, TensorMeta
+from lightning_gpipe.pipe.comm.transport import GRAD_TAG
 from lightning_gpipe.pipe.context import MicroBatchInfo, running
 from lightning_gpipe.pipe.microbatch import (
     differentiable,

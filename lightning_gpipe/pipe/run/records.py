@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lightning_gpipe.pipe.comm.transport import TensorMeta
+from lightning_gpipe.pipe.comm.framing import TensorMeta
 from lightning_gpipe.pipe.context import new_step
 from lightning_gpipe.pipe.state.rematerialize import ForwardState
 
