@@ -224,6 +224,19 @@ def test_peers_sets_ours_gpipe_and_1f1b_beside_torchs_schedules(tmp_path: Path) 
 
 
 @pytest.mark.timeout(160)
+def test_peers_schedules_without_rematerialization_runs_the_same_work_on_both_sides(tmp_path: Path) -> None:
+    data = run_smoke("peers_schedules", tmp_path, "--rematerialization", "never")
+    systems = {r["system"] for r in data["fixed"]}
+    assert systems == {"ours 1f1b", "ours zb-h1", "ours interleaved-1f1b", "ours interleaved-zb", "ours zb-v"} | {
+        "torch 1F1B", "torch ZB1P", "torch Interleaved1F1B", "torch InterleavedZB", "torch ZBV"
+    }  # fmt: skip
+    assert all(r["grad_diff"] < 1e-5 for r in data["fixed"])  # every system the plain model's gradients
+    (ratios,) = data["ratios"]
+    assert all(ratios[k] > 0 for k in ("1f1b", "zb", "interleaved", "interleaved_zb", "zbv", "fastest"))
+    assert "No re-materialization on either side" in (tmp_path / "peers_schedules.md").read_text()
+
+
+@pytest.mark.timeout(160)
 def test_peers_hf_sets_a_huggingface_llama_beside_torchs_schedules(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="peers_hf.py pipelines a HuggingFace Llama: pip install -e '.[hf]'")
     data = run_smoke("peers_hf", tmp_path)
