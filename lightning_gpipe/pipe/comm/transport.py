@@ -95,7 +95,7 @@ class PendingRecv:
         self._read: dict | None = None  # the header, once read
         # Where the tensors may come in the header's message, they are posted once it says they do not.
         self._posted = expect is not None and not transport.sizes_in.inline
-        if self._posted:
+        if expect is not None and self._posted:
             # The shapes are known (gradients of what this stage sent), so the bytes can flow before we ask for them.
             self._post_tensors(expect)
 
@@ -108,8 +108,9 @@ class PendingRecv:
 
     def poll(self) -> None:
         """Post the tensors' receives if the header has come, without waiting: a receive posted ahead
-        (``Transport.post_ahead``) then moves its bytes while this stage computes."""
-        if self._read is None and self.expect is None and self._arriving():
+        (``Transport.post_ahead``) then moves its bytes while this stage computes. Where the tensors may come in the
+        header's message (framing), nothing: gloo moves the whole message whenever it comes."""
+        if self._read is None and self.expect is None and not self.transport.sizes_in.inline and self._arriving():
             self._read_header(whole_only=True)
 
     def _arriving(self) -> bool:
@@ -124,7 +125,7 @@ class PendingRecv:
             tr._wait(self.header_work, f"the header of {self.what}", self.src)
             self._header_in = True
         raw = self.header.numpy()
-        n = LEN.unpack_from(raw)[0]
+        n = LEN.unpack(raw[: LEN.size].tobytes())[0]
         payload = raw[LEN.size : LEN.size + n].tobytes()
         if n > self.size - LEN.size:
             if whole_only:  # its second part is the next message on the tag: read where the caller waits
@@ -194,9 +195,14 @@ class Transport:
         # A model of NCCL on gloo (NCCL itself needs none): one in-order queue per group, made at its first use.
         self._ordered: dict[str, nccl_order.OrderedP2P] = {}
         self._models_nccl = nccl_order.enabled() and not self.stream_waits
+        # Each message's size, agreed by both ends (framing): with the tensors beside the header where the data
+        # travels on gloo too (CPU processes, no model of NCCL's order, which the data groups alone follow).
+        inline = not self.stream_waits and not self._models_nccl and device.type == "cpu"
+        self.sizes_out, self.sizes_in = Sizes(inline), Sizes(inline)
+        self._unread: Counter[tuple[int, int]] = Counter()  # receives posted and not yet read, by (source, tag)
         # Receives posted ahead (post_ahead) where a receive posted after a compute would wait for it: on NCCL (and
-        # its model). gloo moves the bytes on its own thread whenever the receive is posted; on a CPU that thread
-        # only competes with the compute (benchmarks/results/receive_ahead/README.md).
+        # its model). On gloo the gain is within the noise and its failure paths are not ready for it
+        # (benchmarks/results/receive_ahead/README.md).
         self.posts_ahead = self.stream_waits or self._models_nccl
         # (work, buffer, peer, whether it is tensor data): kept until the peer received it.
         self._pending_sends: list[tuple[Any, torch.Tensor, int, bool]] = []
@@ -208,11 +214,6 @@ class Transport:
         # Tensor bytes by peer stage, since the transport was made: what each link carried, measured.
         self.bytes_sent: Counter[int] = Counter()
         self.bytes_received: Counter[int] = Counter()
-        # Each message's size, agreed by both ends (framing): with the tensors beside the header where the data
-        # travels on gloo too (CPU processes, no model of NCCL's order, which the data groups alone follow).
-        inline = not self.stream_waits and not self._models_nccl and device.type == "cpu"
-        self.sizes_out, self.sizes_in = Sizes(inline), Sizes(inline)
-        self._unread: Counter[tuple[int, int]] = Counter()  # receives posted and not yet read, by (source, tag)
 
     def add_skip_groups(self, groups: SkipGroups) -> None:
         """Send the tensors of each data tag in ``groups`` on its group (``groups.skip_groups``, made where transfers
