@@ -25,6 +25,7 @@ from lightning_gpipe.pipe.microbatch import batch_size, split, tensors
 from lightning_gpipe.pipe.run.executor import Executor
 from lightning_gpipe.pipe.run.failures import FailureHandler
 from lightning_gpipe.pipe.run.loss_inside import forward_backward
+from lightning_gpipe.pipe.run.weight_grad import weight_ops
 from lightning_gpipe.pipe.split.balance import costs_by_time
 from lightning_gpipe.pipe.split.plan import (
     Prediction,
@@ -131,8 +132,8 @@ def measure_profile(
 ) -> Profile:
     """The plan's view of ``backbone`` on its input ``x`` (a mini-batch of N samples): each layer's time on all N and
     on an eighth of them (the part that grows with the samples and the part that does not: ``fit_layer_costs``),
-    its saved, output and weight bytes, the engine's time per action; ``dp``: the replicas that share the state
-    (FSDP); ``link``: a message's latency (seconds, half of it each end's host time) and the bandwidth (bytes/s)
+    its saved, output and weight bytes, the ops a split could defer, the engine's time per action; ``dp``: the
+    replicas that share the state (FSDP); ``link``: a message's latency (seconds, half of it each end's host time) and the bandwidth (bytes/s)
     between two stages (:func:`_measure_link`)."""
     latency, bandwidth = link
     activation, output, weights = layer_bytes(backbone, x)
@@ -152,6 +153,7 @@ def measure_profile(
         output,
         weights,
         fixed_costs=fixed,
+        weight_ops=weight_ops(backbone, x),
         input_bytes=float(sum(t.nbytes for t in tensors(x))),
         state_bytes_per_param_byte=STATE_PER_WEIGHT / dp,  # FSDP: each replica holds 1/dp of its stage's state
         host_per_action=host,

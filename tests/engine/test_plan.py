@@ -274,3 +274,59 @@ def test_fixed_costs_make_small_micro_batches_dearer() -> None:
                    input_bytes=free.input_bytes, fixed_costs=[0.004] * 8)  # fmt: skip
     assert plan(free, 2, Ms=[2, 16], checkpoints=["never"])[0].candidate.M == 16
     assert plan(dear, 2, Ms=[2, 16], checkpoints=["never"])[0].candidate.M == 2
+
+
+def test_a_split_is_priced_as_the_runtime_decides_it() -> None:
+    """zb-h1's W holds what its ops' cost gate splits at the candidate's K and M (``weight_grad.pays``): ops whose
+    W does not pay leave zb-h1 1F1B's step and pay no split; ops that pay shorten it by what they move, less the split's
+    cost. Without ``weight_ops`` W is a third of each layer's cost, as before the survey."""
+    from dataclasses import replace
+
+    from lightning_gpipe.pipe.run.weight_grad import CONV_EXTRA, HOST_SECONDS, pays
+
+    base, K, M = uniform(L=8, N=16), 2, 4
+    zb, f1b = Candidate("zb-h1", M, 1, "never"), Candidate("1f1b", M, 1, "never")
+    small = 0.1 * M * HOST_SECONDS  # a W of 0.1 host costs a micro-batch: it does not pay
+    large = 0.002 * M  # 2 ms a micro-batch, a fifth of the layer's 10/3 ms backward share: it pays
+    assert not pays(small / M, 0.0, K, M) and pays(large / M, 0.0, K, M)
+    one_f = predict(base, f1b, K).step
+    unsplit = predict(replace(base, weight_ops=[[(small, 0.0)]] * 8), zb, K)
+    assert unsplit.step == pytest.approx(one_f, rel=1e-9)  # I holds all of B, W only its action's host time (none)
+    split = predict(replace(base, weight_ops=[[(large, 0.0)]] * 8), zb, K)
+    thirds = predict(base, zb, K)  # every layer's W a third of its cost: more moved than 2 ms
+    assert thirds.step < split.step < one_f
+    # A convolution's dearer halves on the CPU: at M = 8 no convolution pays at K = 2 (2 < 8 × CONV_EXTRA).
+    conv, zb8, f1b8 = replace(base, weight_ops=[[(large, CONV_EXTRA)]] * 8), replace(zb, M=8), replace(f1b, M=8)
+    assert pays(large / 8, 0.0, K, 8) and not pays(large / 8, CONV_EXTRA, K, 8)
+    assert predict(conv, zb8, K).step == pytest.approx(predict(base, f1b8, K).step, rel=1e-9)
+    with pytest.raises(ValueError, match="Profile.weight_ops has 2 entries; give one per layer"):
+        replace(base, weight_ops=[[], []])
+
+
+def test_weight_ops_survey_what_a_split_could_defer_per_layer() -> None:
+    """Linear, Conv1d and Embedding ops, each with its W's seconds on the whole sample and its extra share (a
+    convolution's on the CPU); layers without such ops none; nothing routed, buffers as they were."""
+    import torch
+    from torch import nn
+
+    from lightning_gpipe.pipe.run.weight_grad import CONV_EXTRA, CPU_THREAD_FLOPS, weight_ops
+
+    torch.manual_seed(0)
+
+    class Conv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(8, 8, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.ReLU(), nn.BatchNorm1d(5), Conv())
+    before = model[3].running_mean.clone()
+    ops = weight_ops(model, torch.randint(0, 10, (3, 5)))
+    t = lambda flops: flops / (CPU_THREAD_FLOPS * torch.get_num_threads())  # noqa: E731
+    assert ops[0] == [pytest.approx((t(3 * 5 * 8), 0.0))]  # one row of 8 per id
+    assert ops[1] == [pytest.approx((t(2 * 15 * 64), 0.0))]  # 2 per weight element and input row
+    assert ops[2] == [] and ops[3] == []
+    assert ops[4] == [pytest.approx((t(2 * 3 * 5 * 8 * 8 * 3), CONV_EXTRA))]
+    assert torch.equal(model[3].running_mean, before)

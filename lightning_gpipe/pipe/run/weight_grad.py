@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_gpipe.pipe._torch_internals import accumulate_grads
+from lightning_gpipe.pipe._torch_internals import accumulate_grads, tree_map
 from lightning_gpipe.pipe.run.weight_grad_ops import (
     Deferred,
     Deferring,
@@ -64,19 +64,52 @@ def split_pays(
     flops: float, conv: bool, device: torch.device, K: int, M: int, dtype: torch.dtype = torch.float32
 ) -> bool:
     """Whether deferring one op's weight gradient (W, ``flops`` operations a micro-batch, in ``dtype``) shortens
-    a zb-h1 step on K ranks and M micro-batches. Moving time t out of every I of the ranks that split shortens the
-    step by 2(K − 1)·t (the simulated step is linear in it: ``tests/engine/test_split_pays.py``), while those ranks
-    pay the split's cost (``HOST_SECONDS``) on each of their M micro-batches: an op splits when its W's time
-    outweighs it, a convolution's on the CPU net of its dearer halves. On a GPU as on the CPU: small products
-    leave the host no time to run ahead of the device."""
+    a zb-h1 step on K ranks and M micro-batches (:func:`pays`, with the op's W time and extra share from
+    :func:`w_cost`)."""
     if os.environ.get(SPLIT_EVERY_OP, "") not in ("", "0"):
         return True
+    return pays(*w_cost(flops, conv, device, dtype), K, M)
+
+
+def w_cost(flops: float, conv: bool, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """An op's W in seconds (``flops`` operations in ``dtype`` on ``device``) and the share of it that computing
+    its halves apart adds (a convolution's on the CPU: ``CONV_EXTRA``; none elsewhere)."""
     if device.type == "cuda":
-        t_w = flops / _gpu_flops(device, dtype)
-    else:
-        t_w = flops / (CPU_THREAD_FLOPS * torch.get_num_threads())
-    extra = M * CONV_EXTRA if conv and device.type != "cuda" else 0.0
-    return t_w * (2 * (K - 1) - extra) > M * HOST_SECONDS
+        return flops / _gpu_flops(device, dtype), 0.0
+    return flops / (CPU_THREAD_FLOPS * torch.get_num_threads()), CONV_EXTRA if conv else 0.0
+
+
+def pays(t_w: float, extra: float, K: int, M: int) -> bool:
+    """Whether deferring a W of ``t_w`` seconds a micro-batch pays. Moving time t out of every I of the ranks that
+    split shortens the step by 2(K − 1)·t (the simulated step is linear in it: ``tests/engine/test_split_pays.py``),
+    while those ranks pay the split's cost on each of their M micro-batches: ``HOST_SECONDS`` and ``extra``·t_w. On
+    a GPU as on the CPU: small products leave the host no time to run ahead of the device."""
+    return t_w * (2 * (K - 1) - M * extra) > M * HOST_SECONDS
+
+
+def weight_ops(module: nn.Sequential, sample: Any) -> list[list[tuple[float, float]]]:
+    """Per layer of ``module`` on ``sample`` (fed through the layers before it, as a stage's input requiring grad):
+    each op a split schedule could defer, as (its W's seconds on the whole sample, its extra share) from
+    :func:`w_cost`, for the plan to price the split as :func:`pays` decides it. One forward under grad, nothing
+    kept; buffers and the RNG streams as they were."""
+    found: list[tuple[float, float]] = []
+
+    def record(weight: torch.Tensor, flops: float, conv: bool) -> bool:
+        found.append(w_cost(flops, conv, weight.device, autocast_dtype(weight.device.type) or weight.dtype))
+        return False  # nothing routed: the forward runs as written
+
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    x = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, sample)
+    per_layer = []
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), Deferring([], record):
+        for layer in module:
+            x = layer(x)
+            per_layer.append(list(found))
+            found.clear()
+    with torch.no_grad():
+        for b, before in buffers:
+            b.copy_(before)
+    return per_layer
 
 
 class _Toggled(NamedTuple):

@@ -7,9 +7,11 @@ memory budget by predicted step. What :func:`predict` assumes:
 * Time. A layer of cost c (seconds of forward + backward on the whole mini-batch of N samples, the part that grows
   with the samples) and fixed cost f (seconds of forward + backward whatever the samples: kernel launches, a small
   batch's poorer use of the device) costs c·n/N + f on a micro-batch of n samples, n = N/M (the mean: the
-  simulator's costs are per chunk, not per micro-batch). A chunk of layers of cost c runs F = c/3, B = 2c/3,
-  I = W = R = c/3 (as ``solve_virtual_stages`` weighs them), each plus ``host_per_action``: the engine's launch and
-  bookkeeping of an action, which a smaller micro-batch does not shrink either. A message costs
+  simulator's costs are per chunk, not per micro-batch). A chunk of layers of cost c runs F = R = c/3, B = 2c/3
+  (as ``solve_virtual_stages`` weighs them); a split backward moves to W the weight gradients of the ops that split
+  at the candidate's K and M (``Profile.weight_ops``, priced as ``weight_grad.pays`` decides: their W time and the
+  split's cost), I keeps the rest of B (I = W = c/3 without ``weight_ops``). Each action costs ``host_per_action``
+  besides: the engine's launch and bookkeeping of an action, which a smaller micro-batch does not shrink either. A message costs
   bytes·n/N / ``bandwidth`` on its link and ``message_host`` on each end's host (``Costs.send_host``, ``recv_host``).
 * Memory, per rank: the parameter bytes of its layers times ``state_bytes_per_param_byte`` (weight, gradient and
   optimizer state), plus, over the rank's actions in order, what each (micro-batch, chunk) pair holds between its F
@@ -33,6 +35,7 @@ from torch import nn
 
 from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.microbatch import micro_batch_sizes, tensors
+from lightning_gpipe.pipe.run.weight_grad import HOST_SECONDS, pays
 from lightning_gpipe.pipe.schedule.registry import (
     SCHEDULES,
     Action,
@@ -74,7 +77,9 @@ class Profile:
     input (stage 0's boundary). ``state_bytes_per_param_byte``: weight, gradient and optimizer state per weight byte
     (4: AdamW in the weights' dtype). ``host_per_action``: seconds each action of a chunk costs whatever its size;
     ``bandwidth``: bytes/s of a link between ranks; ``message_host``: seconds of a rank's host per message sent or
-    received."""
+    received. ``weight_ops``: per layer, each op a split schedule could defer, as (its W's seconds on the N samples,
+    the share of it that splitting adds): ``weight_grad.weight_ops`` (none given: every layer's W is a third of its
+    cost)."""
 
     N: int
     costs: Sequence[float]
@@ -87,6 +92,7 @@ class Profile:
     bandwidth: float = math.inf
     message_host: float = 0.0
     fixed_costs: Sequence[float] = ()
+    weight_ops: Sequence[Sequence[tuple[float, float]]] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.N, bool) or not isinstance(self.N, int) or self.N < 1:
@@ -101,6 +107,10 @@ class Profile:
                 raise ValueError(f"Profile.{name} has {len(values)} entries; give one per layer, as costs ({L} ≥ 1)")
             if bad := [i for i, x in enumerate(values) if not (math.isfinite(x) and x >= 0)]:
                 raise ValueError(f"Profile.{name}[{bad[0]}] is {values[bad[0]]}; every entry must be finite and ≥ 0")
+        if self.weight_ops and len(self.weight_ops) != L:
+            raise ValueError(f"Profile.weight_ops has {len(self.weight_ops)} entries; give one per layer ({L}) or none")
+        ops = tuple(tuple((float(t), float(e)) for t, e in layer) for layer in self.weight_ops)
+        object.__setattr__(self, "weight_ops", ops)
         for name in ("input_bytes", "state_bytes_per_param_byte", "host_per_action", "message_host"):
             if not (math.isfinite(x := getattr(self, name)) and x >= 0):
                 raise ValueError(f"Profile.{name} is {x}; it must be finite and ≥ 0")
@@ -408,10 +418,25 @@ def _costs(
         sent = profile.output_bytes[b - 1] * share / profile.bandwidth
         received = (profile.output_bytes[a - 1] if a else profile.input_bytes) * share / profile.bandwidth
         f, h = c / 3 + profile.host_per_action, profile.message_host
+        i, w = (f, f) if not profile.weight_ops else _split(profile.weight_ops[a:b], c, K, M, profile.host_per_action)
         out[rank_of(s, K, placement), chunk_of(s, K, placement)] = Costs(
-            F=f, B=f + c / 3, I=f, W=f, R=f, transfer=sent, grad_transfer=received, send_host=h, recv_host=h
+            F=f, B=f + c / 3, I=i, W=w, R=f, transfer=sent, grad_transfer=received, send_host=h, recv_host=h
         )
     return out
+
+
+def _split(ops: Sequence[Sequence[tuple[float, float]]], c: float, K: int, M: int, host: float) -> tuple[float, float]:
+    """(I, W) of a chunk of cost c a micro-batch whose layers hold ``ops``: W gets the ops that split at (K, M)
+    (``weight_grad.pays``, as the runtime decides) with what the split costs each, I the rest of the backward's 2c/3
+    (at least half of it: the input gradients)."""
+    moved = cost = 0.0
+    for layer in ops:
+        for t, extra in layer:
+            if pays(t / M, extra, K, M):
+                moved += t / M
+                cost += HOST_SECONDS + extra * t / M
+    moved = min(moved, c / 3)
+    return 2 * c / 3 - moved + host, moved + cost + host
 
 
 def _search_split(
