@@ -133,8 +133,8 @@ def measure_profile(
     """The plan's view of ``backbone`` on its input ``x`` (a mini-batch of N samples): each layer's time on all N and
     on an eighth of them (the part that grows with the samples and the part that does not: ``fit_layer_costs``),
     its saved, output and weight bytes, the ops a split could defer, the engine's time per action; ``dp``: the
-    replicas that share the state (FSDP); ``link``: a message's latency (seconds, half of it each end's host time) and the bandwidth (bytes/s)
-    between two stages (:func:`_measure_link`)."""
+    replicas that share the state (FSDP); ``link``: a message's latency (seconds, half of it each end's host time)
+    and the bandwidth (bytes/s) between two stages (:func:`_measure_link`)."""
     latency, bandwidth = link
     activation, output, weights = layer_bytes(backbone, x)
     host = _host_per_action(device)

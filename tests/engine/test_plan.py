@@ -299,7 +299,7 @@ def test_a_split_is_priced_as_the_runtime_decides_it() -> None:
     conv, zb8, f1b8 = replace(base, weight_ops=[[(large, CONV_EXTRA)]] * 8), replace(zb, M=8), replace(f1b, M=8)
     assert pays(large / 8, 0.0, K, 8) and not pays(large / 8, CONV_EXTRA, K, 8)
     assert predict(conv, zb8, K).step == pytest.approx(predict(base, f1b8, K).step, rel=1e-9)
-    with pytest.raises(ValueError, match="Profile.weight_ops has 2 entries; give one per layer"):
+    with pytest.raises(ValueError, match=r"Profile\.weight_ops has 2 entries; give one per layer"):
         replace(base, weight_ops=[[], []])
 
 

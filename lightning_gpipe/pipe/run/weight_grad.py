@@ -99,7 +99,8 @@ def weight_ops(module: nn.Sequential, sample: Any) -> list[list[tuple[float, flo
         return False  # nothing routed: the forward runs as written
 
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    x = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, sample)
+    leaf = lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    x = tree_map(leaf, sample)
     per_layer = []
     with torch.random.fork_rng(devices=[]), torch.enable_grad(), Deferring([], record):
         for layer in module:

@@ -11,8 +11,9 @@ memory budget by predicted step. What :func:`predict` assumes:
   (as ``solve_virtual_stages`` weighs them); a split backward moves to W the weight gradients of the ops that split
   at the candidate's K and M (``Profile.weight_ops``, priced as ``weight_grad.pays`` decides: their W time and the
   split's cost), I keeps the rest of B (I = W = c/3 without ``weight_ops``). Each action costs ``host_per_action``
-  besides: the engine's launch and bookkeeping of an action, which a smaller micro-batch does not shrink either. A message costs
-  bytes·n/N / ``bandwidth`` on its link and ``message_host`` on each end's host (``Costs.send_host``, ``recv_host``).
+  besides: the engine's launch and bookkeeping of an action, which a smaller micro-batch does not shrink either. A
+  message costs bytes·n/N / ``bandwidth`` on its link and ``message_host`` on each end's host (``Costs.send_host``,
+  ``recv_host``).
 * Memory, per rank: the parameter bytes of its layers times ``state_bytes_per_param_byte`` (weight, gradient and
   optimizer state), plus, over the rank's actions in order, what each (micro-batch, chunk) pair holds between its F
   and its B (or W): a kept graph (``keeps_graph``) holds the chunk's activation bytes from its F on; a dropped one
