@@ -46,6 +46,13 @@ why no public API does it:
   gradients (lr 0) to create its state, so a checkpoint saved before the first step would start Adam's step counts
   at 1 and change every later update (a pipelined run then leaves the plain one); torch has no option to skip it.
 
+- ``is_optimized_module``: ``torch._dynamo.eval_frame.OptimizedModule``, the module ``torch.compile(m)`` returns
+  (``nn.Module.compile`` sets ``Module._compiled_call_impl`` instead); ``graphs_compiled``: dynamo's count of the
+  graphs it compiled (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``), read around a layer's call to
+  count its graphs; ``RECOMPILE_LIMIT_LOGGER``: the logger dynamo warns on when a code object reaches
+  ``recompile_limit`` and runs uncompiled from then on (``torch._dynamo.convert_frame``). torch has no public way to
+  tell a compiled module, to count compilations or to hear of the limit.
+
 Not counted, and pinned by the same test: ``Module._modules``, ``_parameters``, ``_buffers``, ``_forward_pre_hooks``
 and ``_forward_hooks``, the dicts every ``nn.Module`` method reads and writes (replacing a layer or a buffer under its
 name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_coalesced`` is the strategy's, in
@@ -55,6 +62,7 @@ name without the checks ``__setattr__`` runs). ``torch.distributed._broadcast_co
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,6 +79,8 @@ __all__ = [
     "forward_hooks_always_called",
     "fsdp_forward_hooks_off",
     "fsdp_post_backward",
+    "graphs_compiled",
+    "is_optimized_module",
     "keystr",
     "profiler_enabled",
     "saved_tensors_pack_hook",
@@ -81,6 +91,26 @@ __all__ = [
     "tree_unflatten",
     "version",
 ]
+
+
+RECOMPILE_LIMIT_LOGGER = "torch._dynamo.convert_frame"
+
+
+def is_optimized_module(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(m)``'s wrapper of a module ``m`` (without torch._dynamo imported
+    nothing can be)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def graphs_compiled() -> int:
+    """How many graphs dynamo compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def profiler_enabled() -> bool:

@@ -19,13 +19,21 @@ from lightning_gpipe.pipe.comm.status import StatusCheck
 from lightning_gpipe.pipe.comm.transport import DEFAULT_TIMEOUT_S, Transport
 from lightning_gpipe.pipe.errors import one_of
 from lightning_gpipe.pipe.microbatch import plan_sizes
+from lightning_gpipe.pipe.run.compiled import (
+    Compilations,
+    CompileOptions,
+    check_backbone,
+    compile_layers,
+    compile_options,
+)
+from lightning_gpipe.pipe.run.compiled import check_schedule as check_compiled_schedule
 from lightning_gpipe.pipe.run.executor import Executor
 from lightning_gpipe.pipe.run.failures import FailureHandler, skip_notices
 from lightning_gpipe.pipe.run.loss_inside import LossFn, check_schedule, forward_backward
 from lightning_gpipe.pipe.run.loss_outside import backward_phase, evaluate, forward_phase
 from lightning_gpipe.pipe.run.records import OUTPUT_MODES, OutputMode, Step
 from lightning_gpipe.pipe.schedule.registry import Placement, ScheduleName, lookup, rank_of
-from lightning_gpipe.pipe.skips import current_tray, plan_skips, skip_pairs
+from lightning_gpipe.pipe.skips import current_tray, plan_skips, skip_layers, skip_pairs
 from lightning_gpipe.pipe.split.balance import Balance, stage_layers
 from lightning_gpipe.pipe.split.indexing import LayerIndex, RemoteLayer
 from lightning_gpipe.pipe.split.rules import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
@@ -87,6 +95,8 @@ class GPipeStage(nn.Module):
         placement: where a rank's virtual stages sit: ``"loop"`` (interleaved, as above) or ``"v"`` (v = 2, rank r
             holds stages r and 2K − 1 − r, for ``schedule="zb-v"``: rank K − 1 holds the middle two, rank 0 the first
             and the last, so the loss and the output are on rank 0; see ``pipe/schedule/registry.py``).
+        compile: compile each of this stage's layers in place (``nn.Module.compile``), True or a dict of
+            ``torch.compile``'s options; layers compiled already run as they are (see ``pipe/run/compiled.py``).
     """
 
     def __init__(
@@ -107,10 +117,13 @@ class GPipeStage(nn.Module):
         timeline: bool = False,
         virtual_stages: int = 1,
         placement: Placement = "loop",
+        compile: CompileOptions = False,
     ) -> None:
         super().__init__()
+        check_backbone(module, "GPipeStage(module)")
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"a pipeline is built from an nn.Sequential, got {type(module).__name__}")
+        compile_with = compile_options(compile)
         check_plain_sequential(module, "GPipeStage(module)")
         # Without torch.distributed it normalizes as BatchNorm does; with it, it syncs over the other stages too.
         if dist.is_available() and dist.is_initialized() and (norms := sync_batch_norms(module)):
@@ -151,6 +164,10 @@ class GPipeStage(nn.Module):
         self._shared_names = shared_over_ranks(module, self._balance, K, r, layers, placement)
         for name, layer in layers:
             self.add_module(name, convert_deferred_batch_norm(layer) if deferred_batch_norm else layer)
+        names = list(module._modules)
+        holders = {names[i] for pair in skip_layers(module).values() for i in pair}
+        compile_layers(dict(self._modules.items()), compile_with, holders)  # type: ignore[arg-type]
+        self._compilations = Compilations(dict(self._modules.items()), batch_dim)  # type: ignore[arg-type]
         self._name_keys = {name: name_key(name) for name, _ in layers}
         # Interleaved: each chunk runs, normalizes and watches its own layers; otherwise the stage is its one chunk.
         self._chunk_layers = [ChunkLayers([name for name, _ in chunk]) for chunk in chunk_layers] if v > 1 else []
@@ -192,6 +209,7 @@ class GPipeStage(nn.Module):
                 chunk=c if v > 1 else -1,
                 skips=None if skips is None else skips[stages[c]],
                 placement=placement,
+                compiled=bool(self._compilations.names),
             )
             for c, owner in enumerate(owners)
         ]
@@ -287,6 +305,12 @@ class GPipeStage(nn.Module):
         return [name for name, _ in self.named_buffers(remove_duplicate=False) if name in changed]
 
     @property
+    def compilations(self) -> dict[str, int]:
+        """The graphs dynamo compiled so far for each compiled layer of this stage (global names; see
+        ``pipe/run/compiled.py``); empty without any."""
+        return {name: self._compilations.graphs[name] for name in self._compilations.names}
+
+    @property
     def forward_only_calls(self) -> int:
         """Forward-only (no grad) calls since the last :meth:`reset`: a training step that called the backbone
         under ``torch.no_grad()`` has nothing to back-propagate through the pipeline."""
@@ -346,7 +370,7 @@ class GPipeStage(nn.Module):
             reseed(mix(seed, self._name_keys[name]), self._device)
             if tray is not None:
                 tray.layer, tray.layer_class = name, type(layer).__name__
-            x = layer(x)
+            x = layer(x) if name not in self._compilations else self._compilations.call(name, layer, x)
         return x
 
     def reset(self) -> None:
@@ -431,6 +455,7 @@ class GPipeStage(nn.Module):
             check_schedule(name, self._num_stages, self._chunks, self._virtual_stages, self._placement)
         except ValueError as e:
             raise ValueError(f"GPipeStage(virtual_stages={self._virtual_stages}, chunks={self._chunks}): {e}") from e
+        check_compiled_schedule(name, self._compilations.names)
         self._refresh_chunks()
         return forward_backward(self._executors, input, self._chunks, loss_fn, name, drained, before_last_backward)
 

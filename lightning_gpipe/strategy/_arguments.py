@@ -10,6 +10,8 @@ from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
 from lightning_gpipe.pipe._torch_internals import BatchNormBase
+from lightning_gpipe.pipe.run.compiled import check_backbone as check_compiled_backbone
+from lightning_gpipe.pipe.run.compiled import compile_options, is_compiled, splits
 from lightning_gpipe.pipe.run.loss_inside import check_schedule
 from lightning_gpipe.pipe.schedule.registry import SCHEDULES, ScheduleName, lookup
 from lightning_gpipe.pipe.split.rules import check_plain_sequential, sync_batch_norm_error, sync_batch_norms
@@ -47,6 +49,10 @@ def check_arguments(a: dict[str, Any]) -> tuple[int, ...]:
         a["balance"],
     )
     check_loss_path(a["pipeline_loss"], a["schedule"], a["virtual_stages"])
+    try:
+        compile_options(a["compile"])
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"GPipeStrategy(compile=...): {e}") from e
     check_memory_budget(a["max_memory_per_stage"])
     if a["data_parallel_reduction"] not in DP_REDUCTIONS:
         raise ValueError(
@@ -243,6 +249,8 @@ def find_backbone(module: nn.Module, path: str) -> tuple[nn.Module, str, nn.Sequ
             f"GPipeStrategy(backbone={path!r}): {type(module).__name__} has no attribute {path!r}. "
             f"nn.Sequential attributes found: {candidates or 'none'}; pass one of them as GPipeStrategy(backbone=...)"
         )
+    if isinstance(found, nn.Module):
+        check_compiled_backbone(found, f"GPipeStrategy(backbone={path!r})")
     if not isinstance(found, nn.Sequential | GPipeStage):
         raise TypeError(_not_sequential(path, found))
     assert parent is not None
@@ -367,3 +375,17 @@ def reject_closure_replaying_optimizers(optimizers: list[Any]) -> None:
                 "GPipeStrategy cannot run LBFGS: it re-evaluates the closure a data-dependent number of times, and "
                 "every evaluation is a pipeline step all stages must take together; use a first-order optimizer"
             )
+
+
+def check_compiled_layers(backbone: nn.Sequential, compile: Any, schedule: Any, inside: bool) -> None:
+    """At setup, on every rank: a schedule that splits each backward op by op runs no compiled layer."""
+    compiled = [str(i) for i, layer in enumerate(backbone) if is_compiled(layer)]
+    if not inside or schedule == "auto" or not splits(schedule) or not (compiled or compile):
+        return
+    what = "compile=" + repr(compile) if compile else f"the backbone's compiled layers ({', '.join(compiled[:3])})"
+    raise ValueError(
+        f"GPipeStrategy(schedule={schedule!r}) splits each backward op by op (the weight gradients of linear, "
+        f"convolution and embedding ops wait for W), which {what} cannot do: a compiled layer's backward is one "
+        "graph. Use schedule='1f1b' or 'interleaved-1f1b' (the same order without the deferred weight gradients), or "
+        "run the layers eagerly"
+    )

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_gpipe.pipe.microbatch import batch_size, split, tensors
+from lightning_gpipe.pipe.run.compiled import is_compiled, splits
 from lightning_gpipe.pipe.run.executor import Executor
 from lightning_gpipe.pipe.run.failures import FailureHandler
 from lightning_gpipe.pipe.run.loss_inside import forward_backward
@@ -32,6 +33,7 @@ from lightning_gpipe.pipe.split.plan import (
     Profile,
     check,
     default_Ms,
+    default_schedules,
     describe,
     fit_layer_costs,
     layer_bytes,
@@ -108,6 +110,8 @@ def _plan(
     fixed = {name: getattr(strategy, name) for name in AUTO_ARGUMENTS if getattr(strategy, name) != "auto"}
     # With the loss outside, training runs GPipe's phases, each rank's chunks one after the other: no schedule to pick.
     schedules = [fixed["schedule"]] if "schedule" in fixed else None if inside else ["gpipe"]
+    if schedules is None and (strategy.compile or any(is_compiled(layer) for layer in backbone)):
+        schedules = [s for s in default_schedules() if not splits(s)]  # compiled layers: no split backward
     vs = [fixed["virtual_stages"]] if "virtual_stages" in fixed else (1, 2) if inside else (1,)
     ranked = plan(
         profile,

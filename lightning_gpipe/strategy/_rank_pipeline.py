@@ -16,6 +16,7 @@ from lightning_gpipe.pipe import GPipeStage, ScheduleName
 from lightning_gpipe.pipe.dp.fsdp import ShardedLayers
 from lightning_gpipe.pipe.dp.grads import OverlappedReduction, PendingReduction
 from lightning_gpipe.pipe.dp.ready_buckets import ReadyBuckets
+from lightning_gpipe.pipe.run.compiled import CompileOptions
 from lightning_gpipe.pipe.schedule.registry import lookup
 from lightning_gpipe.pipe.split.virtual_stages import solve_virtual_stages
 from lightning_gpipe.pipe.state.batchnorm import sync_deferred_batch_norm
@@ -25,6 +26,7 @@ from lightning_gpipe.strategy._arguments import (
     DataParallel,
     StrategyBalance,
     check_backbone_layers,
+    check_compiled_layers,
     check_interleaving,
 )
 from lightning_gpipe.strategy._audit import BackboneAudit, StepAudit, check_loss
@@ -62,6 +64,7 @@ class StageOptions:
     schedule: ScheduleName = "gpipe"
     virtual_stages: int = 1  # v virtual stages per rank: the backbone in vK stages
     planned_costs: list[float] | None = None  # the layers' costs on which "auto" planned ``balance``
+    compile: CompileOptions = False  # torch.compile each layer on its stage (pipe/run/compiled.py)
 
     @classmethod
     def of(cls, strategy: Any) -> StageOptions:
@@ -79,6 +82,7 @@ class StageOptions:
             s.schedule,
             s.virtual_stages,
             s._planned_costs,
+            s.compile,
         )
 
 
@@ -137,6 +141,7 @@ class RankPipeline:
         K, rank, v = mesh.K, mesh.rank, options.virtual_stages
         check_interleaving(K, options.chunks, options.schedule, v)  # on every rank, before any collective
         check_backbone_layers(module, path, backbone, K, v)
+        check_compiled_layers(backbone, options.compile, options.schedule, options.pipeline_loss)
         # Read now: the stage keeps only this rank's layers.
         names = [n for n, _ in module.named_parameters()]
         audit = BackboneAudit(module, backbone, path)
@@ -382,4 +387,5 @@ def _stage(
         timeout=mesh.timeout_s,
         virtual_stages=options.virtual_stages,
         placement=lookup(options.schedule).placement,
+        compile=options.compile,
     )

@@ -134,6 +134,10 @@ class GPipeStrategy(ParallelStrategy):
             layers with ``self.device_mesh["tensor_parallel"]`` and ``parallelize_module``, as under
             ``ModelParallelStrategy``; each layer's output must be whole on them. World size = K · D · T.
         max_memory_per_stage: the ``"auto"`` plan's budget (see ``chunks``); None: no limit.
+        compile: ``torch.compile`` each backbone layer on its stage, in place (``nn.Module.compile``): True, or a
+            dict of its options (``{"mode": "max-autotune"}``). Layers compiled in ``__init__`` or
+            ``configure_model`` run as they are; a compiled nn.Sequential backbone and the zero-bubble schedules'
+            split backward are refused (``pipe/run/compiled.py``).
     """
 
     strategy_name = "gpipe"
@@ -166,6 +170,7 @@ class GPipeStrategy(ParallelStrategy):
         layout: Layout | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
         max_memory_per_stage: int | float | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
         self.trace_steps: tuple[int, ...] = check_arguments(locals())  # raises on a bad value
@@ -178,6 +183,7 @@ class GPipeStrategy(ParallelStrategy):
         self.trace_dir = trace_dir
         self.chunks, self.backbone, self.balance = chunks, backbone, balance
         self.activation_checkpointing, self.max_memory_per_stage = activation_checkpointing, max_memory_per_stage
+        self.compile = compile
         self.output, self.batch_dim, self.deferred_batch_norm = output, batch_dim, deferred_batch_norm
         self.save_distributed_checkpoint, self.bucket_cap_mb = save_distributed_checkpoint, bucket_cap_mb
         self.check_batches, self._pipeline_parallel_size = check_batches, pipeline_parallel_size

@@ -135,3 +135,31 @@ def test_deferred_batchnorm_in_the_pipeline() -> None:
     for mode, M in (("always", 4), ("except_last", 3), ("never", 2)):
         for rank, errs in enumerate(run_distributed(batchnorm_worker, 2, mode, M, timeout=100)):
             assert all(v <= TOL for v in errs.values()), (mode, M, rank, errs)
+
+
+class _Ramp(torch.nn.Module):
+    """Scales its features by a ramp it makes without a dtype, as a positional encoding does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.linspace(0.1, 1.1, x.shape[-1])
+
+
+def test_a_recompute_runs_under_the_forwards_default_dtype() -> None:
+    """Lightning's "64-true" (and "bf16-true") set the default dtype around training_step only; the backward, which
+    recomputes, runs outside it. The recompute makes the forward's tensors, the plain model's gradients to 1e-12."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), _Ramp(), torch.nn.Tanh(), torch.nn.Linear(8, 8)).double()
+    stage = GPipeStage(copy.deepcopy(plain), chunks=2, balance=[4], checkpoint="always")
+    x = torch.randn(6, 8, dtype=torch.float64)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        plain(x).square().sum().backward()
+        out = stage(x)
+    finally:
+        torch.set_default_dtype(before)
+    out.square().sum().backward()
+    stage.backward()
+    assert torch.get_default_dtype() == before
+    for (name, p), ref in zip(stage.named_parameters(), plain.parameters()):
+        assert rel_err(p.grad, ref.grad) <= 1e-12, name

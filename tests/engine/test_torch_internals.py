@@ -221,3 +221,21 @@ def test_optimizer_state_dict_takes_no_step_where_torchs_would() -> None:
     ours.step()
     stepped = optimizer_state_dict(model, ours, options)
     assert float(stepped["state.weight.step"]) == 1.0 and stepped["state.weight.exp_avg"].abs().sum() > 0
+
+
+def test_compiled_modules_and_dynamos_graph_count_are_recognized() -> None:
+    """``torch.compile(m)`` wraps m (``is_optimized_module``), ``m.compile()`` sets ``_compiled_call_impl``; each new
+    graph counts once, a cached one not. The recompile limit's logger: ``tests/engine/test_compiled.py``."""
+    graphs_compiled, is_optimized_module = internals.graphs_compiled, internals.is_optimized_module
+    layer, in_place = nn.Linear(2, 2), nn.Linear(2, 2)
+    assert not is_optimized_module(layer) and layer._compiled_call_impl is None
+    wrapped = torch.compile(layer, backend="eager")
+    in_place.compile(backend="eager")
+    assert is_optimized_module(wrapped) and wrapped._orig_mod is layer and in_place._compiled_call_impl is not None
+    before = graphs_compiled()
+    wrapped(torch.randn(3, 2))
+    wrapped(torch.randn(3, 2))
+    assert graphs_compiled() == before + 1
+    in_place(torch.randn(3, 2))
+    assert graphs_compiled() == before + 2
+    torch._dynamo.reset()

@@ -103,8 +103,10 @@ class Executor:
         chunk: int = -1,
         skips: StageSkips | None = None,
         placement: Placement = "loop",
+        compiled: bool = False,
     ) -> None:
         self.layers = layers
+        self.compiled = compiled  # whether a layer runs compiled: dropped graphs' forwards in the recompute's grad mode
         self.run = run
         self.index = index
         self.num_stages = num_stages
@@ -195,7 +197,7 @@ class Executor:
         stateful = self.stateful_buffers
         state = ForwardState.capture([self.device]) if ckpt else None
         buffers, before = stateful.snapshot() if ckpt else None, stateful.mark()
-        graph = first_forward(self.device) if ckpt else torch.enable_grad()
+        graph = first_forward(self.device, self.compiled) if ckpt else torch.enable_grad()
         # The split only matters where a graph is recorded: a recomputed micro-batch's CPU forward records none.
         defer = not (ckpt and self.device.type == "cpu")
         split = weights.deferring(m) if weights is not None and defer else contextlib.nullcontext()

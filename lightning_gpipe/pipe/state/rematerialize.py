@@ -71,18 +71,21 @@ def discarded_graph() -> Iterator[None]:
         yield
 
 
-def first_forward(device: torch.device) -> contextlib.AbstractContextManager:
+def first_forward(device: torch.device, compiled: bool = False) -> contextlib.AbstractContextManager:
     """The forward phase of a micro-batch that will be recomputed. On an accelerator PyTorch may choose a kernel by
     whether the inputs require grad (an attention backend, and with it the dropout stream and the rounding), so the
     forward runs in the recompute's grad mode with nothing saved (:func:`discarded_graph`): the recompute then repeats
-    it. On the CPU the choice does not depend on it and the graph would cost 1–4 % of a step (``benchmarks/
-    README.md``): ``no_grad``."""
-    return torch.no_grad() if device.type == "cpu" else discarded_graph()
+    it. So does a compiled layer's, whose graph depends on the grad mode (``pipe/run/compiled.py``). On the CPU
+    otherwise the choice does not depend on it and the graph would cost 1–4 % of a step (``benchmarks/README.md``):
+    ``no_grad``."""
+    return torch.no_grad() if device.type == "cpu" and not compiled else discarded_graph()
 
 
 @dataclass
 class ForwardState:
-    """What a recompute must restore so that it repeats the forward bit for bit: the autocast state.
+    """What a recompute must restore so that it repeats the forward bit for bit: the autocast state and the default
+    dtype (Lightning's ``"64-true"`` and ``"bf16-true"`` set it around ``training_step`` only, and the backward, which
+    recomputes, runs outside: a tensor a layer makes without a dtype would change, and a compiled layer recompile).
 
     The layers' randomness needs nothing saved: the stage reseeds each layer from (step seed, micro-batch, its name)
     before it runs, in the forward and in the recompute alike (see ``rng``).
@@ -90,6 +93,7 @@ class ForwardState:
 
     cuda_devices: list[int]  # the CUDA generators that reseeding during the recompute must leave as it found them
     autocast: dict[str, tuple[bool, torch.dtype]]
+    default_dtype: torch.dtype = torch.float32
 
     @classmethod
     def capture(cls, devices: list[torch.device]) -> ForwardState:
@@ -99,12 +103,18 @@ class ForwardState:
             for t in ("cpu", "cuda")
             if t == "cpu" or torch.cuda.is_available()
         }
-        return cls(cuda_devices, autocast)
+        return cls(cuda_devices, autocast, torch.get_default_dtype())
 
     @contextlib.contextmanager
     def restore(self) -> Iterator[None]:
-        """Run the block with the captured autocast state; the caller's RNG streams are left untouched."""
+        """Run the block with the captured autocast state and default dtype; the caller's RNG streams and default
+        dtype are left untouched."""
+        before = torch.get_default_dtype()
         with torch.random.fork_rng(devices=self.cuda_devices), contextlib.ExitStack() as stack:
             for device_type, (enabled, dtype) in self.autocast.items():
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-            yield
+            torch.set_default_dtype(self.default_dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(before)

@@ -1,0 +1,161 @@
+"""Compiled layers in the pipeline (``pipe/run/compiled.py``): the same run as the plain model, few graphs, refusals."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.pipe import GPipeStage
+from tests.helpers.launch import run_distributed
+
+D = 16
+# (N, T) per step: a new sequence length each of the first five steps, then again; M = 3 splits N unevenly but never
+# into a micro-batch of one sample (dynamo specializes size 1: a graph of its own).
+SHAPES = [(7, 5), (8, 9), (6, 3), (7, 7), (8, 11), (6, 5), (7, 9), (8, 3), (6, 7), (7, 11)]
+TOL = 1e-9  # float64
+
+
+class Block(nn.Module):
+    """A pre-norm Transformer block (attention and MLP), batch-first (N, T, D)."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(D, 2, dropout=dropout, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+def model(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, D), Block(dropout), Block(dropout), nn.Linear(D, D)).double()
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def parity_worker(rank: int, world: int, mode: str, inside: bool) -> dict:
+    """Ten steps of the compiled pipeline (K = world, aot_eager) beside the plain model, SGD: the largest relative
+    difference of the gradients and weights this stage holds, and each compiled layer's graphs."""
+    plain = model()
+    stage = GPipeStage(
+        copy.deepcopy(plain), chunks=3, balance=[2, 2], checkpoint=mode, compile={"backend": "aot_eager"}
+    )
+    opt, ref_opt = torch.optim.SGD(stage.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    ref = dict(plain.named_parameters())
+    errs = {"grad": 0.0, "weight": 0.0}
+    for step, (N, T) in enumerate(SHAPES):
+        x, target = randn(N, T, D, seed=step), randn(N, T, D, seed=100 + step)
+        ref_opt.zero_grad()
+        ((plain(x) - target) ** 2).mean().backward()
+        opt.zero_grad()
+        if inside:
+            sizes = stage.micro_batch_sizes(x)
+            parts = target.split(sizes)
+
+            def loss(y: torch.Tensor, m: int, parts: tuple = parts, sizes: list = sizes, N: int = N) -> torch.Tensor:
+                return ((y - parts[m]) ** 2).mean() * sizes[m] / N
+
+            stage.forward_backward(x, loss, schedule="1f1b")
+        else:
+            out = stage(x)
+            if out is not None:
+                ((out - target) ** 2).mean().backward()
+            stage.backward()
+        for name, p in stage.named_parameters():
+            errs["grad"] = max(errs["grad"], rel_err(p.grad, ref[name].grad))
+        opt.step()
+        ref_opt.step()
+    for name, p in stage.named_parameters():
+        errs["weight"] = max(errs["weight"], rel_err(p.detach(), ref[name].detach()))
+    return {**errs, "graphs": stage.compilations, "checked": len(list(stage.parameters()))}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("mode", "inside"), [("always", False), ("except_last", True), ("never", False)])
+def test_compiled_pipeline_equals_the_plain_model(mode: str, inside: bool) -> None:
+    """K = 2, compiled layers (aot_eager), float64: ten steps of new sequence lengths and uneven micro-batches give
+    the plain model's gradients and weights, the loss outside and inside (1F1B); at most two graphs per layer."""
+    for rank, r in enumerate(run_distributed(parity_worker, 2, mode, inside, timeout=380)):
+        assert r["grad"] <= TOL and r["weight"] <= TOL, (rank, r)
+        assert r["checked"] > 4 and len(r["graphs"]) == 2, r  # two compiled layers a stage
+        assert all(1 <= n <= 2 for n in r["graphs"].values()), r
+
+
+def dropout_run(mode: str, balance: list[int]) -> dict[str, list]:
+    """Two steps of the compiled model with dropout (inductor): the output and this stage's gradients."""
+    stage = GPipeStage(model(dropout=0.3), chunks=2, balance=balance, checkpoint=mode, output="all", compile=True)
+    got: dict[str, list] = {}
+    for step, (N, T) in enumerate(SHAPES[:2]):
+        torch.manual_seed(7 + step)
+        out = stage(randn(N, T, D, seed=step))
+        (out**2).mean().backward()
+        stage.backward()
+        got[f"out{step}"] = out.detach().tolist()
+    got.update({name: p.grad.tolist() for name, p in stage.named_parameters()})
+    return got
+
+
+def dropout_worker(rank: int, world: int, mode: str) -> dict[str, list]:
+    return dropout_run(mode, [2, 2])
+
+
+@pytest.mark.timeout(600)
+def test_compiled_dropout_draws_the_same_masks_whatever_the_layout_and_the_recompute() -> None:
+    """Under inductor, whose random numbers are not eager's: K = 2 with every micro-batch recomputed gives K = 1's
+    output and gradients with none recomputed, so the recompute drew the forward's masks."""
+    reference = {k: torch.tensor(v) for k, v in dropout_run("never", [4]).items()}
+    for rank, lists in enumerate(run_distributed(dropout_worker, 2, "always", timeout=560)):
+        got = {k: torch.tensor(v) for k, v in lists.items()}
+        for key in ("out0", "out1"):
+            assert rel_err(got.pop(key), reference[key]) <= TOL, (rank, key)
+        assert got, "a stage without parameters checked nothing"
+        for name, grad in got.items():
+            assert rel_err(grad, reference[name]) <= TOL, (rank, name)
+
+
+def test_a_layer_past_dynamos_recompile_limit_is_named_with_its_shapes() -> None:
+    """Dynamo's warning names a function; ours the layer and the shapes that crossed the limit."""
+    stage = GPipeStage(model(), chunks=1, balance=[4], compile={"backend": "eager", "dynamic": False})
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            for T in (3, 4):
+                stage(randn(2, T, D, seed=T))
+    torch._dynamo.reset()
+    heard = [str(w.message) for w in caught if "stopped compiling" in str(w.message)]
+    # Layer 0 (a Linear: torch.nn's classes share one wrapper, so layer 3 is silent) and layer 1, a Block of its own.
+    assert [h.split(" stopped")[0] for h in heard] == ["layer '0'", "layer '1'"], heard
+    assert "at input shapes [(2, 4, 16)], after 1 graphs: torch._dynamo hit config.recompile_limit (1)" in heard[0]
+
+
+def test_refusals_name_the_problem_and_the_way_out() -> None:
+    with pytest.raises(ValueError, match=r"\['fullgraf'\] are not torch.compile's options"):
+        GPipeStage(model(), chunks=2, balance=[4], compile={"fullgraf": True})
+    with pytest.raises(TypeError, match="compile must be True, False or a dict"):
+        GPipeStage(model(), chunks=2, balance=[4], compile="inductor")  # type: ignore[arg-type]
+    whole = model()
+    whole.compile()
+    with pytest.raises(TypeError, match=r"the nn\.Sequential backbone itself is compiled.*compile its layers instead"):
+        GPipeStage(whole, chunks=2, balance=[4])
+    with pytest.raises(TypeError, match=r"the nn\.Sequential backbone itself is compiled"):
+        GPipeStage(torch.compile(model()), chunks=2, balance=[4])  # type: ignore[arg-type]
+    layers = model()
+    layers[1] = torch.compile(layers[1])  # as a user compiles a block in __init__
+    stage = GPipeStage(layers, chunks=2, balance=[4])
+    assert list(stage.compilations) == ["1"]
+    with pytest.raises(ValueError, match=r"schedule='zb-h1' splits each backward op by op.*compiled layers \(1\)"):
+        stage.forward_backward(randn(4, 3, D, seed=0), lambda y, m: y.sum(), schedule="zb-h1")
