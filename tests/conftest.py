@@ -13,6 +13,9 @@ from lightning_gpipe.pipe.run.weight_grad import SPLIT_EVERY_OP
 # zb-h1 splits an op only where that pays (weight_grad.split_pays), which no op of the tests' tiny models does on the
 # CPU: the tests split every op, in this process and the ones it starts, unless a test unsets it.
 os.environ[SPLIT_EVERY_OP] = "1"
+# Inductor compiles in a pool of one process per core by default: on the tests' 2 cores, beside the ranks a test
+# starts, its kernels compile in the process that needs them instead.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture

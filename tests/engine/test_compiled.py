@@ -22,11 +22,11 @@ TOL = 1e-9  # float64
 class Block(nn.Module):
     """A pre-norm Transformer block (attention and MLP), batch-first (N, T, D)."""
 
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.attn = nn.MultiheadAttention(D, 2, dropout=dropout, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * D, D))
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
@@ -34,9 +34,20 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def model(dropout: float = 0.0) -> nn.Sequential:
+class Dropped(nn.Module):
+    """A residual MLP with dropout between its two products."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(D, D), Block(dropout), Block(dropout), nn.Linear(D, D)).double()
+    return nn.Sequential(nn.Linear(D, D), Block(), Block(), nn.Linear(D, D)).double()
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -95,12 +106,14 @@ def test_compiled_pipeline_equals_the_plain_model(mode: str, inside: bool) -> No
         assert all(1 <= n <= 2 for n in r["graphs"].values()), r
 
 
-def dropout_run(mode: str, balance: list[int]) -> dict[str, list]:
-    """Two steps of the compiled model with dropout (inductor): the output and this stage's gradients."""
-    stage = GPipeStage(model(dropout=0.3), chunks=2, balance=balance, checkpoint=mode, output="all", compile=True)
+def dropout_run(mode: str, balance: list[int], seed: int = 7) -> dict[str, list]:
+    """Two steps of four residual MLPs with dropout, compiled (inductor): the output and this stage's gradients."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(Dropped(0.3) for _ in range(4))).double()  # one class: one graph for the four
+    stage = GPipeStage(layers, chunks=2, balance=balance, checkpoint=mode, output="all", compile=True)
     got: dict[str, list] = {}
     for step, (N, T) in enumerate(SHAPES[:2]):
-        torch.manual_seed(7 + step)
+        torch.manual_seed(seed + step)
         out = stage(randn(N, T, D, seed=step))
         (out**2).mean().backward()
         stage.backward()
@@ -118,6 +131,7 @@ def test_compiled_dropout_draws_the_same_masks_whatever_the_layout_and_the_recom
     """Under inductor, whose random numbers are not eager's: K = 2 with every micro-batch recomputed gives K = 1's
     output and gradients with none recomputed, so the recompute drew the forward's masks."""
     reference = {k: torch.tensor(v) for k, v in dropout_run("never", [4]).items()}
+    assert not torch.equal(torch.tensor(dropout_run("never", [4], seed=8)["out0"]), reference["out0"])  # it drops
     for rank, lists in enumerate(run_distributed(dropout_worker, 2, "always", timeout=560)):
         got = {k: torch.tensor(v) for k, v in lists.items()}
         for key in ("out0", "out1"):

@@ -278,7 +278,7 @@ def test_the_accelerators_first_forward_keeps_nothing_and_repeats_on_the_cpu_too
     import lightning_gpipe.pipe.run.executor as schedule_module
     from lightning_gpipe.pipe.state.rematerialize import discarded_graph
 
-    monkeypatch.setattr(schedule_module, "first_forward", lambda device: discarded_graph())
+    monkeypatch.setattr(schedule_module, "first_forward", lambda device, compiled=False: discarded_graph())
     never, always = attention_grads("never", "cpu"), attention_grads("always", "cpu")
     for name in never:
         assert torch.equal(never[name], always[name]), name

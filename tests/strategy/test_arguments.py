@@ -73,3 +73,32 @@ def test_dp_reduction_is_named_and_auto_goes_hierarchical_only_where_it_saves_tr
     assert hierarchical("auto", [[0, 1, 2, 3], [4, 5, 6, 7]], 2)
     assert not hierarchical("auto", [[0, 1, 2, 3], [4, 5, 6, 7]], 4)  # each stage's replicas on one node
     assert hierarchical("hierarchical", stages_together(4, 1), 4) and not hierarchical("flat", stages_together(8, 2), 4)
+
+
+def test_compile_is_checked_at_construction_and_the_split_refused_with_compiled_layers() -> None:
+    """``compile=``: a bad option at construction; at setup a zero-bubble schedule with compiled layers (the
+    shorthand's or the user's own), and a compiled nn.Sequential backbone, each with the way out."""
+    import torch
+    from torch import nn
+
+    from lightning_gpipe.strategy._arguments import check_compiled_layers, find_backbone
+
+    with pytest.raises(ValueError, match=r"GPipeStrategy\(compile=\.\.\.\): compile=\{'fullgraf': True\}"):
+        GPipeStrategy(compile={"fullgraf": True})
+    backbone = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    check_compiled_layers(backbone, False, "zb-h1", inside=True)  # nothing compiled
+    check_compiled_layers(backbone, True, "1f1b", inside=True)  # no split
+    check_compiled_layers(backbone, True, "zb-h1", inside=False)  # the loss outside: GPipe's phases, no split
+    with pytest.raises(ValueError, match=r"schedule='zb-v'\) splits each backward op by op.*compile=True.*'1f1b'"):
+        check_compiled_layers(backbone, True, "zb-v", inside=True)
+    backbone[1].compile()
+    with pytest.raises(ValueError, match=r"the backbone's compiled layers \(1\) cannot do"):
+        check_compiled_layers(backbone, False, "zb-h1", inside=True)
+
+    class Module(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = torch.compile(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+
+    with pytest.raises(TypeError, match=r"GPipeStrategy\(backbone='backbone'\): the nn\.Sequential backbone itself"):
+        find_backbone(Module(), "backbone")
