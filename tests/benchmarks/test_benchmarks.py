@@ -34,6 +34,8 @@ NOT_RUN = {
     # Three launches (4, 8 and 1 processes, each importing Lightning) and four Trainer fits: 47 s on the idle VM,
     # 59-109 s beside other test runs.
     "fsdp": "python -m benchmarks.fsdp --smoke --out-dir DIR: 47 s",
+    # Inductor compiles the tiny Transformer's seven layers on both ranks: 34 s with a warm cache, more without.
+    "compiled": "python -m benchmarks.compiled --smoke --out-dir DIR: 34 s",
 }
 # Entry points smoke-run once, by a test of their own below that also checks what they measured.
 SMOKE_RUN_BY_OWN_TEST = {

@@ -299,3 +299,23 @@ def test_commit_without_accumulation_changes_nothing() -> None:
 def test_rejects_one_dimensional_input() -> None:
     with pytest.raises(ValueError, match="at least 2D"):
         DeferredBatchNorm(C)(torch.randn(C))
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_not_deferred_statistics_update_once_per_micro_batch_whatever_the_recompute(mode: str) -> None:
+    """``deferred_batch_norm=False``: BatchNorm updates its running statistics once per micro-batch, as M calls of the
+    plain module do, although its kernel writes them without bumping the version counter that tells the stage which
+    buffers a recompute must replay."""
+    from lightning_gpipe.pipe import GPipeStage
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).double()
+    stage = GPipeStage(copy_module.deepcopy(plain), chunks=3, balance=[4], checkpoint=mode, deferred_batch_norm=False)
+    x = torch.randn(9, 4, dtype=torch.float64)
+    for part in x.split(3):
+        plain(part)
+    out = stage(x)
+    out.square().sum().backward()
+    stage.backward()
+    for name, ref in plain.named_buffers():
+        assert torch.equal(stage.get_buffer(name), ref), (mode, name)

@@ -173,3 +173,44 @@ def test_refusals_name_the_problem_and_the_way_out() -> None:
     assert list(stage.compilations) == ["1"]
     with pytest.raises(ValueError, match=r"schedule='zb-h1' splits each backward op by op.*compiled layers \(1\)"):
         stage.forward_backward(randn(4, 3, D, seed=0), lambda y, m: y.sum(), schedule="zb-h1")
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(D, D), nn.BatchNorm1d(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.bn(self.lin(x)))
+
+
+def test_layers_with_python_state_per_micro_batch_stay_eager_or_are_refused() -> None:
+    """Deferred BatchNorm and long skips run Python per micro-batch: compile=True leaves those layers eager, named in
+    a warning; compiled by hand, refused. With deferred_batch_norm=False the BatchNorm layers compile, and their
+    running statistics (updated once per micro-batch) and gradients are the plain module's, recomputed or not."""
+    from lightning_gpipe.pipe import Pop, Stash
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(Normed(), Stash("s"), Normed(), Pop("s", "add"), nn.Linear(D, D)).double()
+    options = {"backend": "aot_eager"}
+    with pytest.warns(UserWarning, match=r"layers 0 \(Normed\), 1 \(Stash\), 2 \(Normed\), 3 \(Pop\) run eagerly"):
+        stage = GPipeStage(copy.deepcopy(plain), chunks=3, balance=[5], compile=options)
+    assert list(stage.compilations) == ["4"]
+    for layer, why in ((0, "holds a BatchNorm whose running statistics"), (1, "stashes or pops a long skip")):
+        by_hand = copy.deepcopy(plain)
+        by_hand[layer].compile(**options)
+        with pytest.raises(TypeError, match=f"layer {layer} .* is compiled, but it {why}"):
+            GPipeStage(by_hand, chunks=3, balance=[5])
+    for mode in ("always", "never"):
+        stage = GPipeStage(copy.deepcopy(plain), chunks=3, balance=[5], checkpoint=mode, compile=options,
+                           deferred_batch_norm=False)  # fmt: skip
+        assert list(stage.compilations) == ["0", "2", "4"]
+        ref = copy.deepcopy(plain)
+        x = randn(9, D, seed=1)
+        sum(ref(part).square().sum() for part in x.split(3)).backward()
+        stage(x).square().sum().backward()
+        stage.backward()
+        for (name, p), r in zip(stage.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad, r.grad) <= TOL, (mode, name)
+        for name, r in ref.named_buffers():
+            assert torch.equal(stage.get_buffer(name), r), (mode, name)

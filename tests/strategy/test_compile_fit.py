@@ -103,7 +103,7 @@ def reference(dp: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in net.named_parameters()}
 
 
-def fit_worker(rank: int, world: int, inside: bool, compile: bool | dict) -> dict:
+def fit_worker(rank: int, world: int, inside: bool, compile: bool | dict, data_parallel: str = "ddp") -> dict:
     from lightning_gpipe.strategy import GPipeStrategy
 
     warnings.simplefilter("ignore")
@@ -121,14 +121,19 @@ def fit_worker(rank: int, world: int, inside: bool, compile: bool | dict) -> dic
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("world", "inside", "compile"),
-    [(2, False, True), (2, True, {"backend": "aot_eager"}), (4, True, {"backend": "aot_eager"})],
+    ("world", "inside", "compile", "data_parallel"),
+    [
+        (2, False, True, "ddp"),
+        (2, True, {"backend": "aot_eager"}, "ddp"),
+        (4, True, {"backend": "aot_eager"}, "ddp"),
+        (4, True, {"backend": "aot_eager"}, "fsdp"),
+    ],
 )
-def test_compiled_fit_equals_plain_training(world: int, inside: bool, compile: bool | dict) -> None:
-    """pp = 2 (inductor, the loss outside; aot_eager, inside) and pp = 2 × dp = 2 with different data per replica:
-    ten steps over five sequence lengths, M = 3 of 7 samples, give the plain run's weights (float64, 1e-9), in at
-    most two graphs per layer."""
-    results = run_distributed(fit_worker, world, inside, compile, timeout=580, lightning=True)
+def test_compiled_fit_equals_plain_training(world: int, inside: bool, compile: bool | dict, data_parallel: str) -> None:
+    """pp = 2 (inductor, the loss outside; aot_eager, inside) and pp = 2 × dp = 2 with different data per replica,
+    replicated and sharded (FSDP2): ten steps over five sequence lengths, M = 3 of 7 samples, give the plain run's
+    weights (float64, 1e-9), in at most two graphs per layer."""
+    results = run_distributed(fit_worker, world, inside, compile, data_parallel, timeout=580, lightning=True)
     for rank, r in enumerate(results):
         assert r["max"] <= TOL, (rank, r)
         assert r["checked"] > 4 and len(r["graphs"]) == 2, (rank, r)  # both layers of each stage compiled

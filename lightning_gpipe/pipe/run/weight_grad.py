@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_gpipe.pipe._torch_internals import accumulate_grads, tree_map
+from lightning_gpipe.pipe._torch_internals import accumulate_grads, tree_flatten, tree_map
 from lightning_gpipe.pipe.run.weight_grad_ops import (
     Deferred,
     Deferring,
@@ -30,6 +30,7 @@ from lightning_gpipe.pipe.run.weight_grad_ops import (
     saves_as_autograd,
     trainable_leaf,
 )
+from lightning_gpipe.pipe.state.rng import cuda_devices_of
 
 # What a split op costs its rank beyond its products, in seconds: its hooks, the kept tensors, W's closure and the
 # accumulation of its results, and W's products run apart from I's; about 0.1 ms an op, measured on the CPU and on an
@@ -102,7 +103,8 @@ def weight_ops(module: nn.Sequential, sample: Any) -> list[list[tuple[float, flo
     leaf = lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t  # noqa: E731
     x = tree_map(leaf, sample)
     per_layer = []
-    with torch.random.fork_rng(devices=[]), torch.enable_grad(), Deferring([], record):
+    cuda = cuda_devices_of(*module.parameters(), *[t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)])
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad(), Deferring([], record):
         for layer in module:
             x = layer(x)
             per_layer.append(list(found))

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_gpipe.pipe import skips
 from lightning_gpipe.pipe._torch_internals import tree_flatten, tree_map
 from lightning_gpipe.pipe.microbatch import detached
+from lightning_gpipe.pipe.state.rng import cuda_devices_of
 
 Balance = Union[Sequence[int], Literal["parameters", "time", "flops"], Callable[[int, nn.Module], float]]  # noqa: UP007
 Solver = Callable[[Sequence[float], int], list[int]]  # per-layer costs, the number of stages → layer counts
@@ -158,7 +159,7 @@ def costs_by_time(
         sample = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample)
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
-    cuda = sorted({t.get_device() for t in tensors if t.device.type == "cuda"})
+    cuda = cuda_devices_of(*tensors)
     if device is not None and device.type == "cuda":
         cuda = sorted({*cuda, device.index if device.index is not None else torch.cuda.current_device()})
 
@@ -223,7 +224,7 @@ def costs_by_flops(module: nn.Sequential, sample: Any) -> list[float]:
     the module as it found it (buffers, RNG streams); backward is not run.
     """
     tensors = [*module.parameters(), *module.buffers()]
-    cuda = sorted({t.get_device() for t in tensors if t.device.type == "cuda"})
+    cuda = cuda_devices_of(*tensors)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     costs: list[float] = []
     try:

@@ -52,6 +52,7 @@ from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
 from lightning_gpipe.pipe.split.balance import solve
 from lightning_gpipe.pipe.split.virtual_stages import SIMULATED_ACTIONS, solve_virtual_stages
 from lightning_gpipe.pipe.state.rematerialize import CHECKPOINT_MODES, Checkpoint
+from lightning_gpipe.pipe.state.rng import cuda_devices_of
 
 # "fill-drain" exists for a loss that needs the whole batch's forward (a mixture of experts' routers), a property of
 # the model that no measured cost shows: it is chosen by name, never by the plan.
@@ -351,7 +352,8 @@ def layer_bytes(module: nn.Sequential, sample: Any) -> tuple[list[float], list[f
     activation, output, parameters = [], [], []
     leaf = lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t  # noqa: E731
     x = tree_map(leaf, sample)
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+    cuda = cuda_devices_of(*module.parameters(), *tensors(sample))
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad():
         for layer in module:
             params = [p for p in layer.parameters() if id(p) not in seen]
             seen |= {id(p) for p in params}

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe._torch_internals import version
+from lightning_gpipe.pipe.state.batchnorm import is_deferred
 
 Marks = dict[str, tuple[torch.Tensor, int]]
 Snapshot = dict[str, torch.Tensor]
@@ -35,6 +36,7 @@ class StatefulBuffers:
         self._changed: set[str] = set()
         self._watched = False
         self._owners: list[tuple[str, nn.Module]] = []
+        self._writes_unseen: set[str] = set()
 
     def begin(self) -> None:
         """Find the modules that hold buffers, once per forward phase: watching only those keeps :meth:`mark` and
@@ -44,6 +46,16 @@ class StatefulBuffers:
             for prefix, m in self._module.named_modules(remove_duplicate=False)
             if m._buffers
         ]
+        # BatchNorm's and InstanceNorm's kernels write their running statistics in place without bumping the version
+        # counter (a compiled graph's copy-back does bump it): a training one that tracks them, not deferred, always
+        # changes them.
+        self._writes_unseen = {
+            prefix + name
+            for prefix, m in self._owners
+            if getattr(m, "track_running_stats", False) is True and m.training and not is_deferred(m)
+            for name in ("running_mean", "running_var")
+            if m._buffers.get(name) is not None
+        }
 
     def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for prefix, m in self._owners:
@@ -68,6 +80,7 @@ class StatefulBuffers:
             before = marks.get(name)
             if before is None or before[0] is not b or before[1] != _version(b):
                 self._changed.add(name)
+        self._changed |= self._writes_unseen
         self._watched = True
 
     def snapshot(self) -> Snapshot | None:

@@ -56,6 +56,11 @@ def _cuda_generators(device: torch.device) -> list[int]:
     return [device.index if device.index is not None else 0] if device.type == "cuda" else []
 
 
+def cuda_devices_of(*tensors: torch.Tensor) -> list[int]:
+    """The CUDA devices ``tensors`` live on: the generators a run on them draws from, which a measurement forks."""
+    return sorted({t.get_device() for t in tensors if t.device.type == "cuda"})
+
+
 def reseed(seed: int, device: torch.device) -> None:
     torch.default_generator.manual_seed(seed)
     for index in _cuda_generators(device):
