@@ -134,10 +134,7 @@ class GPipeStrategy(ParallelStrategy):
             layers with ``self.device_mesh["tensor_parallel"]`` and ``parallelize_module``, as under
             ``ModelParallelStrategy``; each layer's output must be whole on them. World size = K · D · T.
         max_memory_per_stage: the ``"auto"`` plan's budget (see ``chunks``); None: no limit.
-        compile: ``torch.compile`` each backbone layer on its stage, in place (``nn.Module.compile``): True, or a
-            dict of its options (``{"mode": "max-autotune"}``). Layers compiled in ``__init__`` or
-            ``configure_model`` run as they are; a compiled nn.Sequential backbone and the zero-bubble schedules'
-            split backward are refused (``pipe/run/compiled.py``).
+        compile: compile each backbone layer on its stage: True, or torch.compile's options (pipe/run/compiled.py).
     """
 
     strategy_name = "gpipe"
@@ -180,10 +177,9 @@ class GPipeStrategy(ParallelStrategy):
         self._feed: BatchFeed | None = None
         self.pipeline_loss, self.schedule, self.virtual_stages = pipeline_loss, schedule, virtual_stages
         self._loss_inside: PipelineLoss | None = None
-        self.trace_dir = trace_dir
+        self.trace_dir, self.compile = trace_dir, compile
         self.chunks, self.backbone, self.balance = chunks, backbone, balance
         self.activation_checkpointing, self.max_memory_per_stage = activation_checkpointing, max_memory_per_stage
-        self.compile = compile
         self.output, self.batch_dim, self.deferred_batch_norm = output, batch_dim, deferred_batch_norm
         self.save_distributed_checkpoint, self.bucket_cap_mb = save_distributed_checkpoint, bucket_cap_mb
         self.check_batches, self._pipeline_parallel_size = check_batches, pipeline_parallel_size
@@ -194,9 +190,8 @@ class GPipeStrategy(ParallelStrategy):
         self._pipeline: RankPipeline | None = None
         self._init_record: InitRecord | None = None
         self._muted_writers: list[BasePredictionWriter] = []
-        self._sync_blocked = False
+        self._sync_blocked, self.num_nodes = False, 1
         self._plan_check, self._planned_costs = auto_plan.PlanCheck(), None  # "auto" arguments: planned at setup
-        self.num_nodes = 1
 
     @property
     @override

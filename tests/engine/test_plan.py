@@ -277,12 +277,12 @@ def test_fixed_costs_make_small_micro_batches_dearer() -> None:
 
 
 def test_a_split_is_priced_as_the_runtime_decides_it() -> None:
-    """zb-h1's W holds what its ops' cost gate splits at the candidate's K and M (``weight_grad.pays``): ops whose
+    """zb-h1's W holds what its ops' cost gate splits at the candidate's K and M (``split_cost.pays``): ops whose
     W does not pay leave zb-h1 1F1B's step and pay no split; ops that pay shorten it by what they move, less the split's
     cost. Without ``weight_ops`` W is a third of each layer's cost, as before the survey."""
     from dataclasses import replace
 
-    from lightning_gpipe.pipe.run.weight_grad import CONV_EXTRA, HOST_SECONDS, pays
+    from lightning_gpipe.pipe.schedule.split_cost import CONV_EXTRA, HOST_SECONDS, pays
 
     base, K, M = uniform(L=8, N=16), 2, 4
     zb, f1b = Candidate("zb-h1", M, 1, "never"), Candidate("1f1b", M, 1, "never")
@@ -309,7 +309,8 @@ def test_weight_ops_survey_what_a_split_could_defer_per_layer() -> None:
     import torch
     from torch import nn
 
-    from lightning_gpipe.pipe.run.weight_grad import CONV_EXTRA, CPU_THREAD_FLOPS, weight_ops
+    from lightning_gpipe.pipe.run.weight_grad import weight_ops
+    from lightning_gpipe.pipe.schedule.split_cost import CONV_EXTRA, CPU_THREAD_FLOPS
 
     torch.manual_seed(0)
 

@@ -11,15 +11,9 @@ import torch
 from torch import nn
 
 from lightning_gpipe.pipe import GPipeStage
-from lightning_gpipe.pipe.run import weight_grad
-from lightning_gpipe.pipe.run.weight_grad import (
-    CONV_EXTRA,
-    CPU_THREAD_FLOPS,
-    HOST_SECONDS,
-    SPLIT_EVERY_OP,
-    WeightGrads,
-    split_pays,
-)
+from lightning_gpipe.pipe.run.weight_grad import SPLIT_EVERY_OP, WeightGrads, split_pays
+from lightning_gpipe.pipe.schedule import split_cost
+from lightning_gpipe.pipe.schedule.split_cost import CONV_EXTRA, CPU_THREAD_FLOPS, HOST_SECONDS
 from tests.helpers.launch import run_distributed
 
 
@@ -81,7 +75,7 @@ def test_with_a_shape_only_the_ops_that_pay_split_and_the_others_lose_their_hook
     rows = 5 * 7
     small_w, big_w = 2 * rows * 8 * 8, 2 * rows * 8 * 512
     host = (small_w + big_w) / 2 * 2 / 3 / CPU_THREAD_FLOPS  # K = 2, M = 3: gain 2 / 3
-    monkeypatch.setattr(weight_grad, "HOST_SECONDS", host)
+    monkeypatch.setattr(split_cost, "HOST_SECONDS", host)
     torch.manual_seed(0)
     plain = BigAndSmall().double()
     split = copy.deepcopy(plain)
@@ -112,7 +106,7 @@ def _stage_worker(rank: int, world_size: int, host_flops: float) -> dict[str, An
     import os
 
     os.environ.pop(SPLIT_EVERY_OP, None)
-    weight_grad.HOST_SECONDS = host_flops / CPU_THREAD_FLOPS
+    split_cost.HOST_SECONDS = host_flops / CPU_THREAD_FLOPS
     torch.set_num_threads(1)
     ran: list[int] = []
     decided: list[tuple[int, int]] = []

@@ -122,7 +122,7 @@ def check_backbone(module: nn.Module, where: str) -> None:
         )
 
 
-def splits(schedule: ScheduleName) -> bool:
+def splits(schedule: str) -> bool:
     """Whether ``schedule`` splits each backward into I and W (the zero-bubble schedules)."""
     spec = lookup(schedule)
     return any(a.kind == "W" for ops in spec.actions(*spec.example) for a in ops)

@@ -9,7 +9,7 @@ memory budget by predicted step. What :func:`predict` assumes:
   batch's poorer use of the device) costs c·n/N + f on a micro-batch of n samples, n = N/M (the mean: the
   simulator's costs are per chunk, not per micro-batch). A chunk of layers of cost c runs F = R = c/3, B = 2c/3
   (as ``solve_virtual_stages`` weighs them); a split backward moves to W the weight gradients of the ops that split
-  at the candidate's K and M (``Profile.weight_ops``, priced as ``weight_grad.pays`` decides: their W time and the
+  at the candidate's K and M (``Profile.weight_ops``, priced as ``split_cost.pays`` decides: their W time and the
   split's cost), I keeps the rest of B (I = W = c/3 without ``weight_ops``). Each action costs ``host_per_action``
   besides: the engine's launch and bookkeeping of an action, which a smaller micro-batch does not shrink either. A
   message costs bytes·n/N / ``bandwidth`` on its link and ``message_host`` on each end's host (``Costs.send_host``,
@@ -36,7 +36,6 @@ from torch import nn
 
 from lightning_gpipe.pipe._torch_internals import tree_map
 from lightning_gpipe.pipe.microbatch import micro_batch_sizes, tensors
-from lightning_gpipe.pipe.run.weight_grad import HOST_SECONDS, pays
 from lightning_gpipe.pipe.schedule.registry import (
     SCHEDULES,
     Action,
@@ -49,6 +48,7 @@ from lightning_gpipe.pipe.schedule.registry import (
     stage_of,
 )
 from lightning_gpipe.pipe.schedule.simulator import Costs, simulate
+from lightning_gpipe.pipe.schedule.split_cost import HOST_SECONDS, pays
 from lightning_gpipe.pipe.split.balance import solve
 from lightning_gpipe.pipe.split.virtual_stages import SIMULATED_ACTIONS, solve_virtual_stages
 from lightning_gpipe.pipe.state.rematerialize import CHECKPOINT_MODES, Checkpoint
@@ -430,7 +430,7 @@ def _costs(
 
 def _split(ops: Sequence[Sequence[tuple[float, float]]], c: float, K: int, M: int, host: float) -> tuple[float, float]:
     """(I, W) of a chunk of cost c a micro-batch whose layers hold ``ops``: W gets the ops that split at (K, M)
-    (``weight_grad.pays``, as the runtime decides) with what the split costs each, I the rest of the backward's 2c/3
+    (``split_cost.pays``, as the runtime decides) with what the split costs each, I the rest of the backward's 2c/3
     (at least half of it: the input gradients)."""
     moved = cost = 0.0
     for layer in ops:
