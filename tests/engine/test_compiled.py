@@ -214,3 +214,33 @@ def test_layers_with_python_state_per_micro_batch_stay_eager_or_are_refused() ->
             assert rel_err(p.grad, r.grad) <= TOL, (mode, name)
         for name, r in ref.named_buffers():
             assert torch.equal(stage.get_buffer(name), r), (mode, name)
+
+
+def timm_worker(rank: int, world: int) -> dict:
+    """timm's MLP-Mixer blocks, each wrapped by ``torch.compile(block)`` as a user would (aot_eager), pipelined at K = 2
+    beside the same blocks uncompiled: the largest relative gradient difference of this stage's parameters."""
+    from timm.models.mlp_mixer import MlpMixer
+
+    torch.manual_seed(0)
+    mixer = MlpMixer(num_classes=5, img_size=32, patch_size=8, num_blocks=4, embed_dim=16).double()
+    plain = copy.deepcopy(mixer.blocks)
+    blocks = nn.Sequential(*(torch.compile(b, backend="aot_eager") for b in mixer.blocks))
+    stage = GPipeStage(blocks, chunks=3, balance=[2, 2], checkpoint="always")
+    x = mixer.stem(randn(7, 3, 32, 32, seed=0)).detach()
+    plain(x).square().mean().backward()
+    out = stage(x)
+    if out is not None:
+        out.square().mean().backward()
+    stage.backward()
+    # The stage's layers under their global names, wrapped: "2._orig_mod.norm1.weight" is the plain "2.norm1.weight".
+    ref = dict(plain.named_parameters())
+    errs = [rel_err(p.grad, ref[n.replace("._orig_mod", "")].grad) for n, p in stage.named_parameters()]
+    return {"max": max(errs), "checked": len(errs), "graphs": stage.compilations}
+
+
+@pytest.mark.timeout(300)
+def test_a_timm_model_compiled_by_its_user_equals_its_plain_blocks() -> None:
+    for rank, r in enumerate(run_distributed(timm_worker, 2, timeout=280)):
+        assert r["max"] <= TOL and r["checked"] > 4, (rank, r)
+        # The blocks are of one class: the stage's first compiles the graph the second reuses.
+        assert list(r["graphs"]) == (["0", "1"] if rank == 0 else ["2", "3"]) and sum(r["graphs"].values()) >= 1, r
