@@ -227,6 +227,7 @@ def test_compiled_modules_and_dynamos_graph_count_are_recognized() -> None:
     """``torch.compile(m)`` wraps m (``is_optimized_module``), ``m.compile()`` sets ``_compiled_call_impl``; each new
     graph counts once, a cached one not. The recompile limit's logger: ``tests/engine/test_compiled.py``."""
     graphs_compiled, is_optimized_module = internals.graphs_compiled, internals.is_optimized_module
+
     class Scaled(nn.Module):  # a class of its own: torch 2.13 compiles no torch.nn class in place
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * 2
