@@ -1,7 +1,8 @@
 """Compiled layers against eager ones: a K = 2 pipeline's step with GPipeStage(compile=True) beside the same eager."""
 
 # K = 2 processes (gloo, one thread each) build the benchmark Transformer (_lib/workloads.py; --set d_model=512 H=2048
-# A=8 by default, the issue's d = 512) twice on the same split, eager and with every layer compiled (inductor), and
+# A=8 by default, the issue's d = 512), or with --model amoebanet the benchmark AmoebaNet-D (its BatchNorm deferred
+# inside the compiled cells), twice on the same split, eager and with every layer compiled (inductor), and
 # time one training step of each (forward_backward with the loss per micro-batch on the last stage under --schedule,
 # then RMSprop) by turns, medians of clean steps (machine.measure). The first step of each is timed apart, before: the
 # compiled one's holds inductor's compilation (compile time ≈ its first step less the eager first step). Reports the
@@ -26,12 +27,12 @@ K = 2
 
 
 def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    sizes = job["sizes"]
-    x, target = make_batch("transformer", sizes)
+    sizes, model = job["sizes"], job["model"]
+    x, target = make_batch(model, sizes)
     stages: dict[str, tuple[GPipeStage, torch.optim.Optimizer]] = {}
     for label, compile in (("eager", False), ("compiled", True)):
         torch.manual_seed(0)
-        stage = GPipeStage(build("transformer", sizes), chunks=job["M"], checkpoint=job["checkpoint"], compile=compile)
+        stage = GPipeStage(build(model, sizes), chunks=job["M"], checkpoint=job["checkpoint"], compile=compile)
         stages[label] = (stage, torch.optim.RMSprop(stage.parameters(), lr=1e-4))
 
     def step(label: str) -> None:
@@ -61,7 +62,8 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--set", nargs="*", default=["d_model=512", "H=2048", "A=8"], metavar="KEY=VALUE")
+    parser.add_argument("--model", choices=["transformer", "amoebanet"], default="transformer")
+    parser.add_argument("--set", nargs="*", default=None, metavar="KEY=VALUE", help="d_model=512 H=2048 A=8 by default")
     parser.add_argument("--M", type=int, default=8)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--checkpoint", default="except_last")
@@ -69,19 +71,21 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(report.RESULTS / "compiled"))
     parser.add_argument("--smoke", action="store_true", help="the tiny Transformer, 2 steps")
     args = parser.parse_args()
-    sizes = dict(SMOKE_SIZES["transformer"] if args.smoke else SIZES["transformer"])
+    sizes = dict(SMOKE_SIZES[args.model] if args.smoke else SIZES[args.model])
     if not args.smoke:
-        sizes.update({k: int(v) for k, v in (item.split("=") for item in args.set)})
+        given = args.set if args.set is not None or args.model != "transformer" else ["d_model=512", "H=2048", "A=8"]
+        sizes.update({k: int(v) for k, v in (item.split("=") for item in given or [])})
     steps = 2 if args.smoke else args.steps
     timing = {"steps": steps, "max_steps": steps + 4, "warmup": 1, "clean_threshold": 0.1}
     timing["wait_quiet"] = 0.0 if args.smoke else 20.0
-    job = {"sizes": sizes, "M": args.M, "schedule": args.schedule, "checkpoint": args.checkpoint, "timing": timing}
+    job = {"model": args.model, "sizes": sizes, "M": args.M, "schedule": args.schedule, "timing": timing}
+    job["checkpoint"] = args.checkpoint
     wait_quiet(timing["wait_quiet"], timing["clean_threshold"])
     result = launch(run_job, K, job)
     eager, compiled = result["steps"]["eager"], result["steps"]["compiled"]
     first = result["first_step_s"]
     row = {
-        "workload": ", ".join(f"{k}={v}" for k, v in sizes.items() if k in ("d_model", "H", "A", "L", "seq", "batch")),
+        "workload": f"{args.model} " + ", ".join(f"{k}={v}" for k, v in sizes.items() if k != "vocab"),
         "schedule": f"{args.schedule} M={args.M} {args.checkpoint}",
         "eager_ms": eager["median_ms"],
         "compiled_ms": compiled["median_ms"],
@@ -93,7 +97,7 @@ def main() -> None:
           f"compile {row['compile_s']:.0f} s", flush=True)  # fmt: skip
     env = report.environment(threads_per_process=1, processes="K = 2, one per rank (gloo)")
     cols: list[report.Column] = [
-        ("workload", "Transformer", ""),
+        ("workload", "model", ""),
         ("schedule", "schedule", ""),
         ("eager_ms", "eager step ms", ".0f"),
         ("compiled_ms", "compiled step ms", ".0f"),

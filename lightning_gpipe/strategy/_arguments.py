@@ -377,9 +377,21 @@ def reject_closure_replaying_optimizers(optimizers: list[Any]) -> None:
             )
 
 
-def check_compiled_layers(backbone: nn.Sequential, compile: Any, schedule: Any, inside: bool) -> None:
-    """At setup, on every rank: a schedule that splits each backward op by op runs no compiled layer."""
+def check_compiled_layers(
+    backbone: nn.Sequential, compile: Any, schedule: Any, inside: bool, sync_batchnorm: bool
+) -> None:
+    """At setup, on every rank: a schedule that splits each backward op by op runs no compiled layer, and no compiled
+    layer synchronizes its BatchNorm."""
     compiled = [str(i) for i, layer in enumerate(backbone) if is_compiled(layer)]
+    norms = [str(i) for i, layer in enumerate(backbone) if any(isinstance(m, BatchNormBase) for m in layer.modules())]
+    bad = norms if compile else [n for n in norms if n in compiled]
+    if sync_batchnorm and bad:
+        raise ValueError(
+            "Trainer(sync_batchnorm=True) synchronizes each micro-batch's BatchNorm statistics over the replicas "
+            f"with collectives inside the layer's forward, which the compiled layers ({', '.join(bad[:3])}"
+            f"{', …' if len(bad) > 3 else ''}) cannot issue. Drop sync_batchnorm, or compile only the layers "
+            "without BatchNorm (layer.compile() on each, without GPipeStrategy(compile=...))"
+        )
     if not inside or schedule == "auto" or not splits(schedule) or not (compiled or compile):
         return
     what = "compile=" + repr(compile) if compile else f"the backbone's compiled layers ({', '.join(compiled[:3])})"

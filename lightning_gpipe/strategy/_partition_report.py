@@ -1,4 +1,5 @@
-"""What GPipeStrategy shows of its split: a rank-zero table at setup, and the whole model in Lightning's summary."""
+"""What GPipeStrategy shows of its split: a rank-zero table at setup, the whole model in Lightning's summary, and the
+compiled layers' graphs at the end of fit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary, get_human_readable_count
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_gpipe.pipe.schedule.registry import Placement, chunk_of, rank_of
@@ -185,13 +188,32 @@ def stage_ranks(ranks: Sequence[Sequence[int]], devices: list[Any], per_node: in
     return lambda k: ", ".join(f"{r} ({device(r)})" for r in ranks[k])
 
 
-def show(report: PartitionReport, trainer: Any, strategy: Any, log: bool) -> None:
+def show_partition(report: PartitionReport, trainer: Any, strategy: Any, log: bool) -> None:
     """The table once on global rank 0 (``log``: the split was just made), and the summary on every setup."""
     if log and strategy.global_rank == 0:
         devices = list(strategy.parallel_devices or [])
         per_node = max(1, strategy.num_processes)
         report.log(stage_ranks(strategy._mesh.stage_ranks, devices, per_node, strategy.num_nodes))
     summarize_with(trainer, lambda module, depth: PipelineSummary(module, report, depth))
+
+
+def show_compilations(graphs: dict[str, int], header_group: dist.ProcessGroup | None) -> None:
+    """Collective over the pipeline's ranks: global rank 0 logs how many graphs dynamo compiled for the compiled
+    layers of all K stages (``graphs``: this stage's, ``GPipeStage.compilations``); nothing without any."""
+    stages: list[dict[str, int]] = [graphs]
+    if header_group is not None:
+        stages = [{} for _ in range(dist.get_world_size(header_group))]
+        dist.all_gather_object(stages, graphs, group=header_group)
+    counts = {name: n for stage in stages for name, n in stage.items()}
+    if not counts:
+        return
+    most = max(counts, key=lambda name: counts[name])
+    # A layer of 0 ran the graph another layer of its class compiled (or ran eagerly: the guide's "Compiled layers").
+    rank_zero_info(
+        f"GPipeStrategy: {len(counts)} compiled layers in {len(stages)} stages, {sum(counts.values())} graphs "
+        f"compiled (per stage {[sum(s.values()) for s in stages]}; most in one layer: {most}, {counts[most]}; "
+        f"none: {sum(n == 0 for n in counts.values())} layers)"
+    )
 
 
 @dataclass

@@ -141,7 +141,7 @@ class RankPipeline:
         K, rank, v = mesh.K, mesh.rank, options.virtual_stages
         check_interleaving(K, options.chunks, options.schedule, v)  # on every rank, before any collective
         check_backbone_layers(module, path, backbone, K, v)
-        check_compiled_layers(backbone, options.compile, options.schedule, options.pipeline_loss)
+        check_compiled_layers(backbone, options.compile, options.schedule, options.pipeline_loss, sync_batchnorm)
         # Read now: the stage keeps only this rank's layers.
         names = [n for n, _ in module.named_parameters()]
         audit = BackboneAudit(module, backbone, path)

@@ -54,7 +54,7 @@ from lightning_gpipe.strategy._mesh import (
     world_broadcast,
     world_vote,
 )
-from lightning_gpipe.strategy._partition_report import show as show_partition
+from lightning_gpipe.strategy._partition_report import show_compilations, show_partition
 from lightning_gpipe.strategy._pipeline_loss import PipelineLoss
 from lightning_gpipe.strategy._rank_pipeline import RankPipeline, StageOptions
 from lightning_gpipe.strategy._step_results import abort_on_error, from_last_stage, mute_prediction_output, unmute
@@ -459,8 +459,7 @@ class GPipeStrategy(ParallelStrategy):
         step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
         return self._tracer.optimizer_step(self.stage, self._mesh, step, closure)
 
-    # ---- collectives: sync_dist and all_gather over the replicas (as DDP over them); votes, barriers, broadcasts
-    # over the world
+    # ---- collectives: sync_dist and all_gather over the replicas (as DDP); votes, barriers, broadcasts over the world
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
@@ -543,6 +542,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self._tracer.end_of_fit(self._mesh, self._trainer.global_step)
+        show_compilations(self.stage.compilations, self._mesh.header_group)
         super().on_train_end()
 
     @override

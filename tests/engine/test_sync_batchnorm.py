@@ -18,7 +18,7 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.dp.grads import BucketedAllReduce
 from lightning_gpipe.pipe.state.batchnorm import (
-    _deferral,
+    deferral,
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
     deferred_statistics,
@@ -228,9 +228,9 @@ def sample(n: int, seed: int, offset: float) -> torch.Tensor:
 
 
 def group_of(bn: nn.Module) -> dist.ProcessGroup | None:
-    deferral = _deferral(bn)
-    assert deferral is not None
-    return deferral.sync_group
+    state = deferral(bn)
+    assert state is not None
+    return state.sync_group
 
 
 def plain_worker(rank: int, world_size: int) -> dict[str, Any]:

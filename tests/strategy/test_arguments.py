@@ -86,14 +86,20 @@ def test_compile_is_checked_at_construction_and_the_split_refused_with_compiled_
     with pytest.raises(ValueError, match=r"GPipeStrategy\(compile=\.\.\.\): compile=\{'fullgraf': True\}"):
         GPipeStrategy(compile={"fullgraf": True})
     backbone = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    check_compiled_layers(backbone, False, "zb-h1", inside=True)  # nothing compiled
-    check_compiled_layers(backbone, True, "1f1b", inside=True)  # no split
-    check_compiled_layers(backbone, True, "zb-h1", inside=False)  # the loss outside: GPipe's phases, no split
+    check_compiled_layers(backbone, False, "zb-h1", inside=True, sync_batchnorm=False)  # nothing compiled
+    check_compiled_layers(backbone, True, "1f1b", inside=True, sync_batchnorm=False)  # no split
+    check_compiled_layers(backbone, True, "zb-h1", inside=False, sync_batchnorm=False)  # the loss outside: GPipe's phases, no split
     with pytest.raises(ValueError, match=r"schedule='zb-v'\) splits each backward op by op.*compile=True.*'1f1b'"):
-        check_compiled_layers(backbone, True, "zb-v", inside=True)
+        check_compiled_layers(backbone, True, "zb-v", inside=True, sync_batchnorm=False)
     backbone[1].compile()
     with pytest.raises(ValueError, match=r"the backbone's compiled layers \(1\) cannot do"):
-        check_compiled_layers(backbone, False, "zb-h1", inside=True)
+        check_compiled_layers(backbone, False, "zb-h1", inside=True, sync_batchnorm=False)
+    normed = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    check_compiled_layers(normed, False, "1f1b", inside=True, sync_batchnorm=True)  # nothing compiled
+    normed[0].compile()
+    check_compiled_layers(normed, False, "1f1b", inside=True, sync_batchnorm=True)  # the BatchNorm runs eagerly
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True\) synchronizes .* compiled layers \(1\) cannot"):
+        check_compiled_layers(normed, True, "1f1b", inside=True, sync_batchnorm=True)
 
     class Module(nn.Module):
         def __init__(self) -> None:

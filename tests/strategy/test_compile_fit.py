@@ -108,15 +108,20 @@ def fit_worker(rank: int, world: int, inside: bool, compile: bool | dict, data_p
 
     warnings.simplefilter("ignore")
     module = (SequencesInside if inside else Sequences)()
+    schedule = "1f1b" if inside else "gpipe"
     strategy = GPipeStrategy(
-        chunks=3, pipeline_parallel_size=2, schedule="1f1b" if inside else "gpipe", compile=compile
+        chunks=3, pipeline_parallel_size=2, schedule=schedule, compile=compile, data_parallel=data_parallel
     )
     trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=STEPS, precision="64-true")
     trainer.fit(module, DataLoader(dataset(world // 2), batch_size=BATCH))
     expected = reference(world // 2)
-    errors = {name: ((p.detach() - expected[name]).abs().max() / expected[name].abs().max()).item()
-              for name, p in module.named_parameters()}  # fmt: skip
-    return {"max": max(errors.values()), "checked": len(errors), "graphs": trainer.strategy.stage.compilations}
+    from torch.distributed.tensor import DTensor
+
+    whole = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in module.named_parameters()}
+    errors = {name: ((p - expected[name]).abs().max() / expected[name].abs().max()).item() for name, p in whole.items()}
+    sharded = any(isinstance(p, DTensor) for p in trainer.strategy.stage.parameters())
+    graphs = trainer.strategy.stage.compilations
+    return {"max": max(errors.values()), "checked": len(errors), "graphs": graphs, "sharded": sharded}
 
 
 @pytest.mark.timeout(600)
@@ -135,6 +140,10 @@ def test_compiled_fit_equals_plain_training(world: int, inside: bool, compile: b
     weights (float64, 1e-9), in at most two graphs per layer."""
     results = run_distributed(fit_worker, world, inside, compile, data_parallel, timeout=580, lightning=True)
     for rank, r in enumerate(results):
-        assert r["max"] <= TOL, (rank, r)
+        assert r["max"] <= TOL and r["sharded"] == (data_parallel == "fsdp"), (rank, r)
         assert r["checked"] > 4 and len(r["graphs"]) == 2, (rank, r)  # both layers of each stage compiled
-        assert all(1 <= n <= 2 for n in r["graphs"].values()), (rank, r)
+        assert all(n <= 2 for n in r["graphs"].values()), (rank, r)
+        # Under FSDP2 its hooks break the graph before an nn.Linear's forward, which dynamo's skip rules pass over:
+        # that layer runs eagerly (the guide says so). The Blocks, a class of the user's, compile.
+        blocks = {"1", "2"} & r["graphs"].keys() if data_parallel == "fsdp" else r["graphs"].keys()
+        assert blocks and all(r["graphs"][n] >= 1 for n in blocks), (rank, r)

@@ -116,3 +116,19 @@ def test_the_model_summary_shows_the_whole_model_and_each_stages_share() -> None
     plain = sum(p.numel() for p in Uneven().parameters())
     totals = {line.split(maxsplit=1)[1]: line.split()[0] for line in summary.splitlines() if "params" in line}
     assert totals["Total params"] == str(plain) and totals["Trainable params"] == str(plain), totals
+
+
+def test_the_compiled_layers_graphs_are_shown_at_the_end_of_fit(caplog: pytest.LogCaptureFixture) -> None:
+    """One line on rank 0 for all stages (one stage here: no group), nothing when no layer is compiled."""
+    import logging
+
+    from lightning_gpipe.strategy._partition_report import show_compilations
+
+    with caplog.at_level(logging.INFO):
+        show_compilations({}, None)
+        assert not caplog.records
+        show_compilations({"0": 1, "1": 0, "2": 2}, None)
+    assert caplog.messages == [
+        "GPipeStrategy: 3 compiled layers in 1 stages, 3 graphs compiled (per stage [3]; most in one layer: 2, 2; "
+        "none: 1 layers)"
+    ]

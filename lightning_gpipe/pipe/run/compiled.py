@@ -18,8 +18,11 @@ user compiled (``layer.compile()``, ``torch.compile(layer)``) run as they are. W
   counts per code object: layers of one class share it, and so do all of torch.nn's own classes compiled in place
   (dynamo enters them through one wrapper).
 
-The layers that stash or pop long skips (``pipe/skips.py``) or hold a deferred BatchNorm run eagerly under the
-shorthand (a warning names them), and are refused compiled by hand: both keep Python state per micro-batch.
+* A deferred BatchNorm inside a compiled layer defers its statistics through stand-in buffers swapped in around the
+  layer's call (``pipe/state/stand_ins.py``) instead of eager deferral's interception, which breaks graphs.
+
+The layers that stash or pop long skips (``pipe/skips.py``) run eagerly under the shorthand (a warning names them),
+and are refused compiled by hand: the tray hands them each micro-batch's skips through Python state.
 
 Refused, with the way out: the zero-bubble schedules' split backward (it routes each op of a layer's forward through
 a torch-function mode that a compiled graph does not run), and a compiled ``nn.Sequential`` backbone (its layers run
@@ -44,7 +47,7 @@ from lightning_gpipe.pipe._torch_internals import (
     tree_flatten,
 )
 from lightning_gpipe.pipe.schedule.registry import ScheduleName, lookup
-from lightning_gpipe.pipe.state.batchnorm import is_deferred
+from lightning_gpipe.pipe.state.stand_ins import deferred_norms, standing_in
 
 CompileOptions = bool | dict[str, Any]
 
@@ -65,46 +68,32 @@ def compile_options(compile: CompileOptions) -> dict[str, Any] | None:
 
 
 def compile_layers(layers: dict[str, nn.Module], options: dict[str, Any] | None, skip_holders: set[str]) -> None:
-    """Compile each layer in place with ``options`` (None: none), but those compiled already and those that run
-    Python state per micro-batch: a long skip's stash or pop (``pipe/skips.py``: the tray) or a deferred BatchNorm
-    (its statistics' accumulation, ``pipe/state/batchnorm.py``), which a graph would break on or bake in. Those stay
-    eager, named in one warning; a user's compiled one is refused."""
-    eager = []
+    """Compile each layer in place with ``options`` (None: none), but those compiled already and those that stash or
+    pop a long skip (``pipe/skips.py``: the tray hands each micro-batch's skips through Python state, which a graph
+    would fix at its first call). Those stay eager, named in one warning; a user's compiled one is refused."""
+    eager, compiled = [], 0
     for name, layer in layers.items():
-        why = _python_state(layer, name in skip_holders)
-        if why is None:
+        if name not in skip_holders:
             if options is not None and not is_compiled(layer):
                 layer.compile(**options)
+                compiled += 1
         elif is_compiled(layer):
-            raise TypeError(f"layer {name} ({type(layer).__name__}) is compiled, but {why}")
+            raise TypeError(
+                f"layer {name} ({type(layer).__name__}) is compiled, but it stashes or pops a long skip: the pipeline "
+                "hands each micro-batch's skips to it through Python state that a compiled graph would fix at its "
+                "first call. Compile the layers around it, or the modules inside it that do not stash or pop"
+            )
         elif options is not None:
             eager.append(f"{name} ({type(layer).__name__})")
+    # Dynamo's limit counts the graphs of one code object: the layers of a class (all of torch.nn's classes, too)
+    # share it. Room for three graphs a layer (training, eval, and a micro-batch of one sample), raised, never lowered.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * compiled)
     if eager:
         warnings.warn(
             f"compile=: layers {', '.join(eager[:4])}{', …' if len(eager) > 4 else ''} run eagerly: they stash or pop "
-            "a long skip or hold a deferred BatchNorm, whose per-micro-batch Python state a graph cannot hold. "
-            "deferred_batch_norm=False compiles those with BatchNorm (each micro-batch then updates the running "
-            "statistics, as BatchNorm does per call)",
+            "a long skip, whose per-micro-batch Python state a graph cannot hold",
             stacklevel=3,
         )
-
-
-def _python_state(layer: nn.Module, holds_skips: bool) -> str | None:
-    """Why ``layer`` cannot run compiled (None: it can)."""
-    if holds_skips:
-        return (
-            "it stashes or pops a long skip: the pipeline hands each micro-batch's skips to it through Python state "
-            "that a compiled graph would fix at its first call. Compile the layers around it, or the modules inside "
-            "it that do not stash or pop"
-        )
-    if any(is_deferred(m) for m in layer.modules()):
-        return (
-            "it holds a BatchNorm whose running statistics the pipeline defers to one update per mini-batch, in "
-            "Python per micro-batch, which a compiled graph breaks on. Pass deferred_batch_norm=False (each "
-            "micro-batch then updates the statistics, as BatchNorm does per call), or compile the modules inside it "
-            "without BatchNorm"
-        )
-    return None
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -159,6 +148,7 @@ class Compilations:
         self.names = [name for name, layer in layers.items() if is_compiled(layer)]
         self._compiled = set(self.names)
         self._batch_dim = batch_dim
+        self._norms = {name: deferred_norms(layers[name]) for name in self.names}
         self.graphs: Counter[str] = Counter()
         self._limit = _LimitHeard()
 
@@ -174,7 +164,8 @@ class Compilations:
         logger, before = logging.getLogger(RECOMPILE_LIMIT_LOGGER), graphs_compiled()
         logger.addHandler(self._limit)
         try:
-            y = layer(x)
+            with standing_in(self._norms[name]):
+                y = layer(x)
         finally:
             logger.removeHandler(self._limit)
         self.graphs[name] += graphs_compiled() - before

@@ -22,6 +22,8 @@ __all__ = [
     "check_replicas_run_the_same_m",
     "commit_deferred_batch_norm",
     "convert_deferred_batch_norm",
+    "defer_by_stand_ins",
+    "deferral",
     "deferred_statistics",
     "is_deferred",
     "is_deferring",
@@ -74,6 +76,7 @@ class _Deferral:
     def __init__(self) -> None:
         self.sync_group: dist.ProcessGroup | None = None
         self.open: _Open | None = None
+        self.stand_ins = False  # deferred by its caller (defer_by_stand_ins)
         self.reset()
 
     def reset(self) -> None:
@@ -105,6 +108,10 @@ class _Deferral:
             # deltas need); the within-micro-batch spread as the kernel summed it.
             mean = x.sum(dim=dims, dtype=torch.float64) / n
             m2 = unbiased.to(torch.float64) * (n - 1)
+        self.add(n, mean, m2)
+
+    def add(self, n: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """Add the moments of a micro-batch of ``n`` values per channel (float64)."""
         if self.mean is None or self.m2 is None:
             self.count, self.mean, self.m2 = n, mean, m2
             return
@@ -123,13 +130,14 @@ class _Deferral:
         return self.count, mean, m2
 
 
-def _deferral(module: nn.Module) -> _Deferral | None:
+def deferral(module: nn.Module) -> _Deferral | None:
+    """``module``'s deferred statistics (None: not deferred)."""
     return module.__dict__.get(_ATTRIBUTE)
 
 
 def is_deferred(module: nn.Module) -> bool:
     """Whether ``module``'s running statistics are deferred (see :func:`convert_deferred_batch_norm`)."""
-    return _deferral(module) is not None
+    return deferral(module) is not None
 
 
 @torch.no_grad()
@@ -198,7 +206,7 @@ def _statistics(layer: BatchNormBase) -> list[tuple[torch.Tensor | None, int]]:
 
 
 def _before(layer: BatchNormBase, args: Any) -> None:
-    state = _deferral(layer)
+    state = deferral(layer)
     if state is None or not layer.training:
         return
     # A recompute re-runs a micro-batch of a deferred forward phase: normalize the same way, but never update.
@@ -215,7 +223,7 @@ def _before(layer: BatchNormBase, args: Any) -> None:
 
 
 def _after(layer: BatchNormBase, args: Any, output: Any) -> None:
-    state = _deferral(layer)
+    state = deferral(layer)
     if state is None or state.open is None:
         return
     mode, deferring, tracked, statistics = state.open
@@ -248,12 +256,40 @@ def _defer(layer: BatchNormBase) -> None:
     layer.register_forward_hook(_after, prepend=True, always_call=True)
 
 
-def _undefer(layer: nn.Module) -> None:
-    layer.__dict__.pop(_ATTRIBUTE, None)
-    for hooks, hook in ((layer._forward_pre_hooks, _before), (layer._forward_hooks, _after)):
-        for key in [key for key, h in hooks.items() if h is hook]:
+def _unhook(layer: nn.Module) -> None:
+    for hooks in (layer._forward_pre_hooks, layer._forward_hooks):
+        for key in [key for key, h in hooks.items() if h in (_before, _after, _seen)]:
             del hooks[key]
             forward_hooks_always_called(layer).pop(key, None)
+
+
+def _undefer(layer: nn.Module) -> None:
+    layer.__dict__.pop(_ATTRIBUTE, None)
+    layer.__dict__.pop(INPUTS, None)
+    _unhook(layer)
+
+
+# Where a layer deferred by stand-ins keeps the shapes of its inputs during one call of its caller (stand_ins.py).
+INPUTS = "_deferred_inputs"
+
+
+def _seen(layer: BatchNormBase, args: Any) -> None:
+    # Traced into a compiled graph as a side effect: () at each call's start, so the graph's guards hold.
+    setattr(layer, INPUTS, (*getattr(layer, INPUTS), args[0].shape))
+
+
+def defer_by_stand_ins(layer: BatchNormBase) -> None:
+    """Let the caller of deferred ``layer`` defer its statistics, with stand-in running statistics around each call
+    (``pipe/state/stand_ins.py``), instead of this module's interception of its forward, which no compiled graph
+    holds."""
+    state = deferral(layer)
+    assert state is not None, "only a deferred layer"
+    if state.stand_ins:
+        return
+    _unhook(layer)
+    state.stand_ins = True
+    object.__setattr__(layer, INPUTS, ())
+    layer.register_forward_pre_hook(_seen)
 
 
 class DeferredBatchNorm(BatchNormBase):
@@ -285,8 +321,8 @@ class DeferredBatchNorm(BatchNormBase):
 
     @property
     def sync_group(self) -> dist.ProcessGroup | None:
-        deferral = _deferral(self)
-        return None if deferral is None else deferral.sync_group
+        state = deferral(self)
+        return None if state is None else state.sync_group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -356,7 +392,7 @@ def _rebuild(source: BatchNormBase, kind: type[BatchNormBase]) -> BatchNormBase:
 
 def _deferred_layers(module: nn.Module) -> Iterator[tuple[BatchNormBase, _Deferral]]:
     for layer in module.modules():
-        state = _deferral(layer)
+        state = deferral(layer)
         if state is not None:
             assert isinstance(layer, BatchNormBase)
             yield layer, state
@@ -411,6 +447,12 @@ def sync_deferred_batch_norm(module: nn.Module, group: dist.ProcessGroup | None)
     if group is not None and dist.get_world_size(group) <= 1:
         group = None
     norms = list(_deferred_layers(module))
+    if group is not None and (compiled := [type(bn).__name__ for bn, s in norms if s.stand_ins]):
+        raise ValueError(
+            f"sync_deferred_batch_norm: {compiled[0]} runs inside a compiled layer, which cannot issue the "
+            "collectives that synchronize each micro-batch's statistics over the replicas. Leave the BatchNorm "
+            "unsynchronized (drop Trainer(sync_batchnorm=True)) or compile the layers without BatchNorm only"
+        )
     for _, state in norms:
         state.sync_group = group
     return len(norms)
