@@ -77,8 +77,9 @@ def standing_in(norms: list[BatchNormBase]) -> Iterator[None]:
 def _restore(bn: BatchNormBase, saved: _Saved) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple]:
     """Put ``bn``'s own buffers and momentum back; what the call left in the stand-ins, and its inputs' shapes."""
     mean, var = bn._buffers["running_mean"], bn._buffers["running_var"]
+    assert mean is not None and var is not None, "the stand-ins the call ran with"
     tracked = bn._buffers.get("num_batches_tracked")
-    shapes = getattr(bn, INPUTS)
+    shapes: tuple = getattr(bn, INPUTS)
     object.__setattr__(bn, INPUTS, ())
     bn._buffers["running_mean"], bn._buffers["running_var"] = saved[0], saved[1]
     if saved[2] is not None:
