@@ -18,9 +18,9 @@ from torch import nn
 from lightning_gpipe.pipe import GPipeStage, micro_batch_sizes
 from lightning_gpipe.pipe.dp.grads import BucketedAllReduce
 from lightning_gpipe.pipe.state.batchnorm import (
-    deferral,
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,
+    deferral,
     deferred_statistics,
     is_deferred,
     sync_deferred_batch_norm,

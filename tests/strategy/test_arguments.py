@@ -88,7 +88,7 @@ def test_compile_is_checked_at_construction_and_the_split_refused_with_compiled_
     backbone = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     check_compiled_layers(backbone, False, "zb-h1", inside=True, sync_batchnorm=False)  # nothing compiled
     check_compiled_layers(backbone, True, "1f1b", inside=True, sync_batchnorm=False)  # no split
-    check_compiled_layers(backbone, True, "zb-h1", inside=False, sync_batchnorm=False)  # the loss outside: GPipe's phases, no split
+    check_compiled_layers(backbone, True, "zb-h1", inside=False, sync_batchnorm=False)  # the loss outside: no split
     with pytest.raises(ValueError, match=r"schedule='zb-v'\) splits each backward op by op.*compile=True.*'1f1b'"):
         check_compiled_layers(backbone, True, "zb-v", inside=True, sync_batchnorm=False)
     backbone[1].compile()
