@@ -23,6 +23,7 @@ PER_PROCESS = [
     for name in (
         # exactness against the plain run: both loss paths, schedules, loops, habits, copies, overlap, data loading
         "fit_parity",
+        "compile_fit",
         "micro_batch_loss",
         "loops",
         "habits",

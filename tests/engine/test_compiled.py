@@ -299,6 +299,20 @@ def test_compiled_batch_norm_at_two_stages_equals_the_eager_pipeline() -> None:
         ), r
 
 
+@pytest.mark.timeout(300)
+def test_compiled_layers_with_weights_tied_across_stages_equal_the_plain_model() -> None:
+    """Layer 0's weight used again by layers 4 and 7 (both on the other stage at K = 2), every layer compiled
+    (aot_eager), interleaved 1F1B at v = 2 so that one tie is also within a rank: three SGD steps of new lengths give
+    the plain model's gradients and weights."""
+    from tests.helpers.chunked import F64, parity_worker, tied
+
+    case = (tied, 4, [2, 2, 2, 2], F64, "sgd", "always")
+    results = run_distributed(parity_worker, 2, 2, [case], "interleaved-1f1b", False, {"backend": "aot_eager"},
+                              timeout=280)  # fmt: skip
+    for rank, [(_, r)] in enumerate(results):
+        assert r["shared"] and all(e <= TOL for e in r["errs"].values()), (rank, r)
+
+
 def timm_worker(rank: int, world: int) -> dict:
     """timm's MLP-Mixer blocks, each wrapped by ``torch.compile(block)`` as a user would (aot_eager), pipelined at K = 2
     beside the same blocks uncompiled: the largest relative gradient difference of this stage's parameters."""

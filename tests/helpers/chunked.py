@@ -52,14 +52,24 @@ def micro_losses(target: torch.Tensor, sizes: list[int]) -> Any:
 
 
 def parity_run(
-    make: Any, v: int, M: int, balance: Any, dtype: torch.dtype, optimizer: str, mode: str, K: int, schedule: str
+    make: Any,
+    v: int,
+    M: int,
+    balance: Any,
+    dtype: torch.dtype,
+    optimizer: str,
+    mode: str,
+    K: int,
+    schedule: str,
+    compile: dict | None = None,
 ) -> dict[str, Any]:
-    """Three optimizer steps under ``schedule`` (its chunks placed as it needs) and on the plain model: the largest
-    relative differences."""
+    """Three optimizer steps under ``schedule`` (its chunks placed as it needs; ``compile``: GPipeStage's) and on the
+    plain model: the largest relative differences."""
     model = make(dtype)
     ref = copy.deepcopy(model)
     placement = lookup(schedule).placement
-    stage = GPipeStage(model, chunks=M, balance=balance, checkpoint=mode, virtual_stages=v, placement=placement)
+    stage = GPipeStage(model, chunks=M, balance=balance, checkpoint=mode, virtual_stages=v, placement=placement,
+                       compile=compile or False)  # fmt: skip
     make_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adam": lambda p: torch.optim.Adam(p, lr=0.01)}
     opt, ref_opt = make_opt[optimizer](stage.parameters()), make_opt[optimizer](ref.parameters())
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
@@ -90,7 +100,13 @@ def parity_run(
 
 
 def parity_worker(
-    rank: int, world_size: int, v: int, cases: list[tuple], schedule: str = "interleaved-1f1b", ordered: bool = False
+    rank: int,
+    world_size: int,
+    v: int,
+    cases: list[tuple],
+    schedule: str = "interleaved-1f1b",
+    ordered: bool = False,
+    compile: dict | None = None,
 ) -> list[tuple[tuple, dict[str, Any]]]:
     warnings.simplefilter("ignore")  # N < M warns by design
     if ordered:  # NCCL's ordering rules, modelled on gloo
@@ -98,7 +114,7 @@ def parity_worker(
     out = []
     for case in cases:
         make, M, balance, dtype, optimizer, mode = case
-        out.append((case, parity_run(make, v, M, balance, dtype, optimizer, mode, world_size, schedule)))
+        out.append((case, parity_run(make, v, M, balance, dtype, optimizer, mode, world_size, schedule, compile)))
     return out
 
 
