@@ -16,7 +16,7 @@ user compiled (``layer.compile()``, ``torch.compile(layer)``) run as they are. W
   reaches ``torch._dynamo.config.recompile_limit`` during a layer's call, and from then on runs that code
   uncompiled, a warning names the layer and its input's shapes (dynamo's own names only a function). The limit
   counts per code object: layers of one class share it, and so do all of torch.nn's own classes compiled in place
-  (dynamo enters them through one wrapper).
+  (dynamo enters them through one wrapper). ``compile_layers`` raises it to three graphs per layer it compiles.
 
 * A deferred BatchNorm inside a compiled layer defers its statistics through stand-in buffers swapped in around the
   layer's call (``pipe/state/stand_ins.py``) instead of eager deferral's interception, which breaks graphs.
