@@ -21,6 +21,10 @@ from tests.helpers.launch import run_distributed
 pytest.importorskip("transformers", reason="the HuggingFace tests need transformers: pip install -e '.[hf]'")
 
 STEPS, FLOAT32_NORMS = 4, 1e-6
+# At M > 1 those families' float32 roundings flip between the orders of sums, and three AdamW steps carry the flips
+# on: ≤ 1e-6 on the AMD EPYC hosts, 2.0e-6 (ernie4_5_moe's router) and 1.4e-6 (flint) on an Intel Xeon one
+# (2026-12-02). A real difference moves weights by orders of magnitude more.
+FLOAT32_FLIPS = 1e-5
 # Families that compute some steps in float32 whatever the model's dtype (norms: x.float(); routers: logits.float();
 # attention sinks): at M > 1 the micro-batches' gradients add up in another order, and a float32 rounding flips there.
 FLOAT32_INSIDE = {
@@ -61,7 +65,7 @@ def test_k2_equals_the_plain_hf_model(family: str, schedule: str, tmp_path: Path
 def test_every_family_trains_as_the_plain_hf_model(family: str, tmp_path: Path) -> None:
     """Every family causal_lm_backbone covers, K = 2, M = 4, three AdamW steps from a folder HF saved (a mixture of
     experts one tensor per expert) to one from_pretrained loads: the plain HF model's weights, relative ≤ 1e-9; those
-    computing in float32 inside ≤ 1e-6, and at M = 1 (no other summation order) ≤ 1e-12."""
+    computing in float32 inside ≤ 1e-5 (FLOAT32_FLIPS), and at M = 1 (no other summation order) ≤ 1e-12."""
     save_model(family, tmp_path / "pretrained")
     folder = str(tmp_path / "pretrained")
     plain = plain_run(tmp_path / "pretrained", 3)
@@ -74,7 +78,7 @@ def test_every_family_trains_as_the_plain_hf_model(family: str, tmp_path: Path) 
         # another, hours later, by ≤ 1e-12 with or without that day's changes: the host's kernels round a float32 op
         # apart from the plain run's. Elsewhere ≤ 1e-12.
         rounding = FLOAT32_NORMS if family in ("gemma2", "vaultgemma") else 1e-12
-        tol = TOL if family not in FLOAT32_INSIDE else FLOAT32_NORMS if m > 1 else rounding
+        tol = TOL if family not in FLOAT32_INSIDE else FLOAT32_FLIPS if m > 1 else rounding
         assert max(errors.values()) <= tol, (m, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
 
 
