@@ -137,8 +137,8 @@ def fit_worker(rank: int, world: int, inside: bool, compile: bool | dict, data_p
 )
 def test_compiled_fit_equals_plain_training(world: int, inside: bool, compile: bool | dict, data_parallel: str) -> None:
     """pp = 2 (inductor, the loss outside; aot_eager, inside) and pp = 2 × dp = 2 with different data per replica
-    (the loss outside and inside, replicated; inside, sharded by FSDP2): ten steps over five sequence lengths, M = 3 of 7 samples, give the plain run's
-    weights (float64, 1e-9), in at most two graphs per layer."""
+    (the loss outside and inside, replicated; inside, sharded by FSDP2): ten steps over five sequence lengths,
+    M = 3 of 7 samples, give the plain run's weights (float64, 1e-9), in at most two graphs per layer."""
     results = run_distributed(fit_worker, world, inside, compile, data_parallel, timeout=580, lightning=True)
     for rank, r in enumerate(results):
         assert r["max"] <= TOL and r["sharded"] == (data_parallel == "fsdp"), (rank, r)
